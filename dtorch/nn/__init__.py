@@ -1,0 +1,1 @@
+"""dtorch.nn: modules mirroring torch.nn."""

@@ -1,0 +1,1 @@
+"""Op placement rules: one registry, one file per op family."""

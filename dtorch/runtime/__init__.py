@@ -1,0 +1,1 @@
+"""Cluster runtime: controller, workers, messages."""

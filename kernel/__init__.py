@@ -1,0 +1,1 @@
+"""The dtorch Jupyter kernel (installed as ``dtorch_kernel``)."""

@@ -1,0 +1,1 @@
+"""ipywidgets views of meshes, shards and collectives (installed as ``dtorch_widgets``)."""
