@@ -15,4 +15,20 @@ from .placement import Partial, Placement, Replicate, Shard
 from .redistribute import plan_redistribute
 from .comm_debug import CommDebugMode
 
+from .tensor import DTensor, Tensor
+from .factories import (arange, distribute_tensor, empty, empty_like, full, full_like, ones,
+                        ones_like, rand, rand_like, randint, randn, randn_like, tensor, zeros,
+                        zeros_like)
+from .graph import Graph
+from .runtime.session import (cluster_info, init, manual_seed, restart, shutdown,
+                              synchronize)
+from torch import (bfloat16, bool, complex64, float16, float32, float64, int8, int16, int32,
+                   int64, uint8)
+
+float = float32
+double = float64
+half = float16
+long = int64
+int = int32
+
 __version__ = "0.1.0"

@@ -1,0 +1,182 @@
+"""Factories: DTensors made on the ranks, or sent from a torch tensor.
+
+Each rank builds or receives only its own shard. Random factories give the same global values
+as ``torch.manual_seed(s); torch.randn(size)`` on one device, whatever the placements. Example::
+
+    x = dtorch.randn(8, 4, device_mesh=mesh, placements=[Shard(0)])
+    y = dtorch.tensor(torch.arange(16.).reshape(4, 4), device_mesh=mesh2d,
+                      placements=[Shard(0), Shard(1)])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import layout
+from .graph import default_mesh
+from .mesh import DeviceMesh
+from .runtime import messages as m
+from .runtime import session
+from .tensor import DTensor, make_spec
+
+_RANDOM = ("rand", "randn", "randint", "randperm")
+
+
+def _size(size) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    for s in size:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"sizes must be non-negative ints; got {tuple(size)!r}")
+    return tuple(size)
+
+
+def _mesh(device_mesh, device) -> DeviceMesh:
+    if device_mesh is not None:
+        return device_mesh
+    device_type = torch.device(device).type if device is not None else (
+        session._controller.device_type if session.is_running() else "cpu")
+    return default_mesh(device_type)
+
+
+def _create(fn: str, shape, dtype, device_mesh, placements, device=None, args=(),
+            all_ranks=False) -> DTensor:
+    mesh = _mesh(device_mesh, device)
+    spec = make_spec(shape, dtype, mesh, placements)
+    c = session.get_controller()
+    c.ensure_mesh(mesh)
+    tid = c.new_tid()
+    c.issue(m.Create(tid, fn, tuple(args), {}, spec.shape, spec.dtype, mesh, spec.placements,
+                     mesh.ranks, all_ranks))
+    return DTensor._wrap(spec, tid, c)
+
+
+def _float_dtype(dtype):
+    return dtype if dtype is not None else torch.get_default_dtype()
+
+
+def zeros(*size, dtype=None, device_mesh=None, placements=None, device=None,
+          requires_grad=False) -> DTensor:
+    """``dtorch.zeros(4, 8, device_mesh=mesh, placements=[Shard(0)])``."""
+    return _create("zeros", _size(size), _float_dtype(dtype), device_mesh, placements, device)
+
+
+def ones(*size, dtype=None, device_mesh=None, placements=None, device=None,
+         requires_grad=False) -> DTensor:
+    """``dtorch.ones(4, 8, device_mesh=mesh)``; a Partial('sum') one holds the ones once."""
+    return _create("ones", _size(size), _float_dtype(dtype), device_mesh, placements, device)
+
+
+def empty(*size, dtype=None, device_mesh=None, placements=None, device=None,
+          requires_grad=False) -> DTensor:
+    """Uninitialized values, like ``torch.empty``."""
+    return _create("empty", _size(size), _float_dtype(dtype), device_mesh, placements, device)
+
+
+def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None, device=None,
+         requires_grad=False) -> DTensor:
+    """``dtorch.full((2, 3), 7.0, device_mesh=mesh)``."""
+    if dtype is None:
+        dtype = torch.full((), fill_value).dtype
+    return _create("full", _size((size,)), dtype, device_mesh, placements, device,
+                   (fill_value,))
+
+
+def rand(*size, dtype=None, device_mesh=None, placements=None, device=None,
+         requires_grad=False) -> DTensor:
+    """Uniform [0, 1) values equal to ``torch.rand`` under the same ``manual_seed``."""
+    return _create("rand", _size(size), _float_dtype(dtype), device_mesh, placements, device,
+                   all_ranks=True)
+
+
+def randn(*size, dtype=None, device_mesh=None, placements=None, device=None,
+          requires_grad=False) -> DTensor:
+    """Normal values equal to ``torch.randn`` under the same ``manual_seed``."""
+    return _create("randn", _size(size), _float_dtype(dtype), device_mesh, placements, device,
+                   all_ranks=True)
+
+
+def randint(low, high=None, size=None, *, dtype=None, device_mesh=None, placements=None,
+            device=None, requires_grad=False) -> DTensor:
+    """``dtorch.randint(10, (4,))`` or ``dtorch.randint(3, 10, (4,))`` like torch."""
+    if size is None:
+        low, high, size = 0, low, high
+    if size is None:
+        raise TypeError("randint needs a size, e.g. dtorch.randint(0, 10, (4, 4))")
+    return _create("randint", _size((size,)), dtype or torch.int64, device_mesh, placements,
+                   device, (low, high), all_ranks=True)
+
+
+def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None,
+           device=None, requires_grad=False) -> DTensor:
+    """``dtorch.arange(16, device_mesh=mesh, placements=[Shard(0)])`` like torch.arange."""
+    if end is None:
+        start, end = 0, start
+    meta = torch.arange(start, end, step, dtype=dtype, device="meta")
+    return _create("arange", tuple(meta.shape), meta.dtype, device_mesh, placements, device,
+                   (start, end, step))
+
+
+def _like(fn, t: DTensor, dtype, device_mesh, placements, **kw):
+    return fn(*t.shape, dtype=dtype or t.dtype,
+              device_mesh=device_mesh if device_mesh is not None else t.device_mesh,
+              placements=placements if placements is not None else t.placements, **kw)
+
+
+def zeros_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
+    return _like(zeros, t, dtype, device_mesh, placements)
+
+
+def ones_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
+    return _like(ones, t, dtype, device_mesh, placements)
+
+
+def empty_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
+    return _like(empty, t, dtype, device_mesh, placements)
+
+
+def rand_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
+    return _like(rand, t, dtype, device_mesh, placements)
+
+
+def randn_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
+    return _like(randn, t, dtype, device_mesh, placements)
+
+
+def full_like(t, fill_value, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
+    return full(tuple(t.shape), fill_value, dtype=dtype or t.dtype,
+                device_mesh=device_mesh if device_mesh is not None else t.device_mesh,
+                placements=placements if placements is not None else t.placements)
+
+
+def tensor(data, dtype=None, device_mesh=None, placements=None, device=None,
+           requires_grad=False) -> DTensor:
+    """Send a value to the ranks, each rank receiving only its own shard.
+
+    ``data`` is a torch.Tensor, a numpy array, a number or nested lists. A Partial('sum')
+    placement stores the value on the first rank of that mesh dim and zeros elsewhere.
+    """
+    if isinstance(data, DTensor):
+        raise TypeError("dtorch.tensor got a DTensor; use .redistribute(...) to change its "
+                        "placements, or .to_torch() first")
+    value = torch.as_tensor(data, dtype=dtype).detach().cpu()
+    mesh = _mesh(device_mesh, device)
+    spec = make_spec(value.shape, value.dtype, mesh, placements)
+    c = session.get_controller()
+    c.ensure_mesh(mesh)
+    tid = c.new_tid()
+    for rank in mesh.ranks:
+        c.stage(rank, tid, layout.shard_of(value, mesh, spec.placements,
+                                           mesh.get_coordinate(rank)))
+    c.issue(m.Load(tid, mesh.ranks))
+    return DTensor._wrap(spec, tid, c)
+
+
+def distribute_tensor(tensor_, device_mesh: DeviceMesh, placements=None) -> DTensor:
+    """PyTorch's name for :func:`tensor`: ``distribute_tensor(t, mesh, [Shard(0)])``."""
+    return tensor(tensor_, device_mesh=device_mesh, placements=placements)
+
+
+__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "zeros_like",
+           "ones_like", "empty_like", "rand_like", "randn_like", "full_like", "tensor",
+           "distribute_tensor"]

@@ -1,0 +1,55 @@
+"""The default graph: which mesh a tensor or module made without one lives on.
+
+>>> from dtorch import Graph, DeviceMesh
+>>> stage = DeviceMesh("cpu", [2, 3])
+>>> with Graph.default_graph().device_mesh_guard(stage):
+...     Graph.default_graph().device_mesh
+DeviceMesh('cpu', [2, 3])
+>>> Graph.default_graph().device_mesh is None
+True
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from .mesh import DeviceMesh
+
+
+class Graph:
+    """Holds the stack of meshes set by ``device_mesh_guard``."""
+
+    _default: "Graph | None" = None
+
+    def __init__(self):
+        self._meshes: list[DeviceMesh] = []
+
+    @classmethod
+    def default_graph(cls) -> "Graph":
+        if cls._default is None:
+            cls._default = cls()
+        return cls._default
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The innermost guarded mesh, or None outside every guard."""
+        return self._meshes[-1] if self._meshes else None
+
+    @contextmanager
+    def device_mesh_guard(self, mesh: DeviceMesh):
+        """Tensors and modules created inside live on ``mesh``."""
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"device_mesh_guard needs a DeviceMesh; got {type(mesh).__name__}")
+        self._meshes.append(mesh)
+        try:
+            yield mesh
+        finally:
+            self._meshes.pop()
+
+
+def default_mesh(device_type: str | None = None) -> DeviceMesh:
+    """The guarded mesh, else a one-rank mesh on rank 0."""
+    mesh = Graph.default_graph().device_mesh
+    if mesh is not None:
+        return mesh
+    return DeviceMesh(device_type or "cpu", [0])

@@ -1,0 +1,154 @@
+"""Starting or joining the Dask cluster and placing one rank actor on each worker.
+
+One Dask worker is one rank. Ranks are given to workers in sorted address order, rank 0's
+host runs the torch.distributed rendezvous. Example::
+
+    client, cluster = start_local_cluster(4)
+    ranks = place_rank_actors(client, "gloo", timeout_s=60, seed=0)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from typing import NamedTuple
+
+from ..errors import ClusterError
+
+
+class RankInfo(NamedTuple):
+    """Where one rank lives."""
+
+    rank: int
+    address: str
+    host: str
+    actor: object
+    future: object
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _progress(message: str) -> None:
+    print(f"dtorch: {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def main_module_hidden():
+    """Start worker processes without re-running the user's script in them.
+
+    multiprocessing's spawn re-imports ``__main__`` from its file in every child, so a script
+    without an ``if __name__ == "__main__":`` guard would run again in each worker. Workers
+    never need the user's script, so hide it while they start (Jupyter has none anyway).
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+
+
+def _rank_nanny_class():
+    from distributed import Nanny
+    from distributed.core import Status
+
+    class RankNanny(Nanny):
+        """A Nanny that does not bring a dead rank back: its shards and its place in the
+        torch.distributed world are gone, so dtorch reports the loss and restart() starts a
+        fresh world instead."""
+
+        async def _on_worker_exit(self, exitcode):
+            if self.status in (Status.running, Status.starting):
+                try:
+                    await self._unregister()
+                except OSError:
+                    pass
+                await self.close(reason="dtorch-rank-exited")
+
+    return RankNanny
+
+
+def start_local_cluster(n_workers: int, **dask_kwargs):
+    """A LocalCluster of ``n_workers`` processes with one thread each, on 127.0.0.1."""
+    from distributed import Client, LocalCluster
+    has_bokeh = importlib.util.find_spec("bokeh") is not None
+    options = dict(n_workers=n_workers, threads_per_worker=1, processes=True,
+                   host="127.0.0.1", dashboard_address="127.0.0.1:0" if has_bokeh else None,
+                   silence_logs=logging.WARNING, worker_class=_rank_nanny_class())
+    options.update(dask_kwargs)
+    with main_module_hidden():
+        cluster = LocalCluster(**options)
+    client = Client(cluster, set_as_default=False, direct_to_workers=True)
+    return client, cluster
+
+
+def connect(address: str, **dask_kwargs):
+    """A client of an existing Dask scheduler (``dask scheduler`` / dask-jobqueue / ...)."""
+    from distributed import Client
+    try:
+        dask_kwargs.setdefault("direct_to_workers", True)
+        return Client(address, set_as_default=False, timeout=dask_kwargs.pop("timeout", 30),
+                      **dask_kwargs)
+    except OSError as exc:
+        raise ClusterError(f"cannot reach a Dask scheduler at {address!r}: {exc}. Start one with "
+                           f"`dask scheduler` and workers with `dask worker {address}`") from exc
+
+
+def worker_addresses(client, expected: int | None = None, wait_s: float = 60.0) -> list[str]:
+    """Sorted worker addresses; waits up to ``wait_s`` for ``expected`` workers."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        if expected is None and workers or expected is not None and len(workers) >= expected:
+            return workers
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the Dask cluster has {len(workers)} workers after {wait_s:.0f}s; "
+                               f"expected {expected or 'at least one'}")
+        time.sleep(0.1)
+
+
+def _host(address: str) -> str:
+    return address.split("://")[-1].rsplit(":", 1)[0]
+
+
+def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
+                      workers: list[str] | None = None, num_threads: int | None = None
+                      ) -> list[RankInfo]:
+    """Create one RankActor per worker and wait until the torch.distributed world is up."""
+    from .worker import RankActor
+    workers = workers or worker_addresses(client)
+    world = len(workers)
+    master = _host(workers[0])
+    port = client.run(_free_port, workers=[workers[0]])[workers[0]]
+    futures = [client.submit(RankActor, rank, world, master, port, backend, timeout_s, seed,
+                             num_threads, actor=True, workers=[addr], allow_other_workers=False,
+                             pure=False, key=f"dtorch-rank-{rank}-{time.time_ns()}")
+               for rank, addr in enumerate(workers)]
+    actors = [f.result(timeout=120) for f in futures]
+    ranks = [RankInfo(r, a, _host(a), actor, fut)
+             for r, (a, actor, fut) in enumerate(zip(workers, actors, futures))]
+    with client.as_current():  # binds each actor handle to this (non-default) client
+        readies = [ri.actor.ready() for ri in ranks]
+    failures = [f for f in (r.result(timeout=timeout_s + 30) for r in readies) if f]
+    if failures:
+        raise ClusterError("torch.distributed could not start on every rank:\n" +
+                           "\n".join(f"rank {f.rank}: {f.message}" for f in failures))
+    return ranks
+
+
+def local_threads(n_workers: int) -> int:
+    """Torch threads per rank so local ranks do not oversubscribe the machine's cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, n_workers))

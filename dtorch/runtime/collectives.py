@@ -1,0 +1,189 @@
+"""Run one planned redistribute Step on this rank with torch.distributed.
+
+The planner (``dtorch.redistribute``) decided what happens; this file only does it, padding
+uneven shards to one size before each collective and cutting the padding off after. Every
+member of a group computes the same padded sizes from the same pure layout math, so they all
+agree without talking. Example (on a worker)::
+
+    local = run_step(step, local, ctx)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..layout import chunk_sizes, local_shape
+from ..mesh import DeviceMesh
+
+# torch 2.13 renamed the flat-buffer collectives; keep working on older releases too.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
+               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class StepContext(NamedTuple):
+    """What a step needs besides the tensor: who I am and how to find a process group."""
+
+    rank: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    mesh: DeviceMesh
+    dst_mesh: DeviceMesh | None
+    group_of: Callable[[tuple[int, ...]], object]
+
+
+def _my_group(step, rank: int) -> tuple[int, ...]:
+    for g in step.groups:
+        if rank in g:
+            return g
+    raise RuntimeError(f"rank {rank} is in no group of step {step.kind} on mesh dim "
+                       f"{step.mesh_dim}")
+
+
+def _slots(group: tuple[int, ...]) -> list[int]:
+    """torch.distributed orders a group by global rank; entry j is the mesh coordinate (index
+    in ``group``) of the member in collective slot j."""
+    return [group.index(r) for r in sorted(group)]
+
+
+def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    missing = size - t.shape[dim]
+    if missing <= 0:
+        return t
+    pad_shape = list(t.shape)
+    pad_shape[dim] = missing
+    return torch.cat([t, t.new_zeros(pad_shape)], dim)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """gloo has no bool reductions: carry bools as uint8."""
+    return t.to(torch.uint8) if t.dtype == torch.bool else t
+
+
+def _sizes(ctx: StepContext, placements, group, dim: int) -> list[int]:
+    return [local_shape(ctx.shape, ctx.mesh, placements, ctx.mesh.get_coordinate(r))[dim]
+            for r in group]
+
+
+def _all_gather(step, local, ctx, group, pg):
+    d = step.src.dim
+    sizes = _sizes(ctx, step.before, group, d)
+    buf = _wire(_pad(local, d, max(sizes))).contiguous()
+    flat = buf.new_empty((len(group) * buf.shape[0],) + tuple(buf.shape[1:]))
+    if buf.numel():
+        _all_gather_flat(flat, buf, group=pg)
+    out = flat.view((len(group),) + tuple(buf.shape))
+    slot_of = {c: j for j, c in enumerate(_slots(group))}
+    if d == 0 and len(set(sizes)) == 1 and list(slot_of) == sorted(slot_of):
+        result = flat
+    else:
+        result = torch.cat([out[slot_of[c]].narrow(d, 0, s) for c, s in enumerate(sizes)], d)
+    return result.to(local.dtype)
+
+
+def _all_to_all(step, local, ctx, group, pg):
+    d_src, d_dst = step.src.dim, step.dst.dim
+    n, me = len(group), group.index(ctx.rank)
+    src_sizes = _sizes(ctx, step.before, group, d_src)
+    pieces = chunk_sizes(local.shape[d_dst], n)
+    x = _wire(_pad(local, d_src, max(src_sizes)))
+    offsets = [sum(pieces[:j]) for j in range(n)]
+    slots = _slots(group)
+    inp = torch.stack([_pad(x.narrow(d_dst, offsets[c], pieces[c]), d_dst, max(pieces))
+                       for c in slots]).contiguous()
+    out = torch.empty_like(inp)
+    if inp.numel():
+        dist.all_to_all_single(out, inp, group=pg)
+    slot_of = {c: j for j, c in enumerate(slots)}
+    parts = [out[slot_of[c]].narrow(d_src, 0, src_sizes[c]).narrow(d_dst, 0, pieces[me])
+             for c in range(n)]
+    return torch.cat(parts, d_src).to(local.dtype)
+
+
+def _all_reduce(step, local, ctx, group, pg):
+    t = _wire(local).clone()
+    if t.numel():
+        dist.all_reduce(t, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
+    t = t.to(local.dtype)
+    return _average(t, len(group)) if step.src.reduce_op == "avg" else t
+
+
+def _reduce_scatter(step, local, ctx, group, pg):
+    d = step.dst.dim
+    n, me = len(group), group.index(ctx.rank)
+    pieces = chunk_sizes(local.shape[d], n)
+    x = _wire(local)
+    offsets = [sum(pieces[:j]) for j in range(n)]
+    inp = torch.stack([_pad(x.narrow(d, offsets[c], pieces[c]), d, max(pieces))
+                       for c in _slots(group)]).contiguous()
+    out = inp.new_empty(inp.shape[1:])
+    if inp.numel():
+        _reduce_scatter_flat(out, inp, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
+    t = out.narrow(d, 0, pieces[me]).to(local.dtype)
+    return _average(t, n) if step.src.reduce_op == "avg" else t
+
+
+def _average(t: torch.Tensor, n: int) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return t / n
+    return torch.div(t, n, rounding_mode="floor")
+
+
+def _slice(step, local, ctx, group, pg):
+    d = step.dst.dim
+    n, me = len(group), group.index(ctx.rank)
+    pieces = chunk_sizes(local.shape[d], n)
+    return local.narrow(d, sum(pieces[:me]), pieces[me]).clone()
+
+
+def _to_partial(step, local, ctx, group, pg):
+    if step.dst.reduce_op == "sum" and group.index(ctx.rank) != 0:
+        return torch.zeros_like(local)
+    return local
+
+
+def send_recv(step, local, ctx, poisoned: bool = False):
+    """Move shards between two meshes of the same shape, rank by coordinate.
+
+    A one-byte flag travels with each shard, so a poisoned source poisons its destination.
+    Returns ``(new local or None, whether the received shard was poisoned)``.
+    """
+    ops, received, flag_in = [], None, None
+    for src, dst in step.groups:
+        if src == ctx.rank:
+            ops.append(dist.P2POp(dist.isend, torch.tensor([int(poisoned)], dtype=torch.uint8),
+                                  dst))
+            if local.numel():
+                ops.append(dist.P2POp(dist.isend, _wire(local).contiguous(), dst))
+        if dst == ctx.rank:
+            flag_in = torch.zeros(1, dtype=torch.uint8)
+            ops.append(dist.P2POp(dist.irecv, flag_in, src))
+            coord = ctx.dst_mesh.get_coordinate(dst)
+            shape = local_shape(ctx.shape, ctx.dst_mesh, step.after, coord)
+            wire_dtype = torch.uint8 if ctx.dtype == torch.bool else ctx.dtype
+            received = torch.empty(shape, dtype=wire_dtype)
+            if received.numel():
+                ops.append(dist.P2POp(dist.irecv, received, src))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    if received is not None:
+        return received.to(ctx.dtype), bool(flag_in.item())
+    keeps = ctx.dst_mesh.get_coordinate(ctx.rank) is not None
+    return (local if keeps else None), poisoned and keeps
+
+
+_RUNNERS = {"all_gather": _all_gather, "all_to_all": _all_to_all, "all_reduce": _all_reduce,
+            "reduce_scatter": _reduce_scatter, "slice": _slice, "to_partial": _to_partial}
+
+
+def run_step(step, local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """Apply one mesh-dim step (not ``send_recv``); returns this rank's new local tensor."""
+    group = _my_group(step, ctx.rank)
+    pg = ctx.group_of(group) if step.is_collective else None
+    return _RUNNERS[step.kind](step, local, ctx, group, pg)

@@ -1,0 +1,215 @@
+"""The controller: turns DTensor calls into an ordered, batched instruction stream.
+
+Nothing here waits for workers unless a value is asked for. Instructions are appended to a
+pending list and shipped as one pickled batch (the same bytes to every rank, plus each rank's
+own staged shards) when a value is requested, when the list reaches ``max_pending``, at the end
+of a notebook cell, or on ``synchronize()``. Example::
+
+    c = Controller(client, cluster, ranks, "cpu")
+    tid = c.new_tid()
+    c.issue(Create(tid, "zeros", (), {}, (4,), torch.float32, mesh, (Replicate(),), (0,), False))
+    c.flush()
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import ClusterError, RemoteError, WorkerLostError
+from . import messages as m
+
+_generations = itertools.count(1)
+
+
+def remote_error(failure, context: str = "") -> RemoteError:
+    """A controller-side exception for a failure on a rank, with the remote traceback."""
+    text = f"rank {failure.rank} failed in {failure.op}: {failure.message}"
+    if context:
+        text += f" ({context})"
+    if failure.traceback:
+        text += "\n--- remote traceback ---\n" + failure.traceback.rstrip()
+    err = RemoteError(text)
+    err.rank, err.failure = failure.rank, failure
+    return err
+
+
+class Controller:
+    """Owns the cluster connection, the instruction stream and the ids of remote tensors."""
+
+    def __init__(self, client, cluster, ranks, device_type: str, backend: str = "gloo",
+                 max_pending: int = 1000, poll_s: float = 0.5):
+        self.client, self.cluster, self.ranks = client, cluster, ranks
+        self.device_type, self.backend = device_type, backend
+        self.world = len(ranks)
+        self.generation = next(_generations)
+        self.max_pending = max_pending
+        self.poll_s = poll_s
+        self.live_tensors = 0
+        self.closed = False
+        self._pending: list = []
+        self._staged: dict[int, dict] = {}
+        self._freed: list[int] = []
+        self._seq = 0
+        self._tids = itertools.count(1)
+        self._reqs = itertools.count(1)
+        self._groups_made: set[tuple[int, ...]] = set()
+        self._lock = threading.RLock()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dtorch-fetch")
+
+    # ids and the stream ----------------------------------------------------------------------
+    def new_tid(self) -> int:
+        return next(self._tids)
+
+    def issue(self, instr) -> None:
+        """Append one instruction; ships a batch when ``max_pending`` is reached."""
+        self._check_open()
+        self._pending.append(instr)
+        if len(self._pending) >= self.max_pending:
+            self.flush()
+
+    def stage(self, rank: int, tid: int, tensor) -> None:
+        """Attach a shard for ``rank`` to the next batch (read by a ``Load``)."""
+        self._staged.setdefault(rank, {})[tid] = tensor
+
+    def release(self, tid: int) -> None:
+        """Free a tensor's shards with the next batch (safe from ``__del__``)."""
+        self._freed.append(tid)
+        self.live_tensors -= 1
+
+    def ensure_mesh(self, mesh) -> None:
+        """Check a mesh against the cluster; create its process groups on first use."""
+        self._check_open()
+        if mesh.device_type != self.device_type:
+            raise ClusterError(f"this cluster runs {self.device_type!r} ranks; the mesh is "
+                               f"{mesh.device_type!r}. Build the mesh with device_type="
+                               f"{self.device_type!r} or dtorch.init(device_type="
+                               f"{mesh.device_type!r})")
+        top = max(mesh.ranks)
+        if top >= self.world:
+            raise ClusterError(f"the mesh names rank {top} but the cluster has {self.world} ranks "
+                               f"(0..{self.world - 1}); use ranks below {self.world} or start a "
+                               f"bigger cluster with dtorch.init(n_workers={top + 1})")
+        new = []
+        for dim in range(mesh.ndim):
+            for group in mesh.groups(dim):
+                key = tuple(sorted(group))
+                if len(group) > 1 and key not in self._groups_made:
+                    self._groups_made.add(key)
+                    new.append(key)
+        if new:
+            self.issue(m.SetupMesh(tuple(new), self.backend))
+
+    def flush(self) -> None:
+        """Ship everything pending as one batch to every rank."""
+        with self._lock:
+            if self._freed:
+                freed, self._freed = self._freed, []
+                self._pending.append(m.Free(tuple(freed)))
+            if not self._pending:
+                return
+            self._check_open()
+            payload = pickle.dumps(self._pending, protocol=pickle.HIGHEST_PROTOCOL)
+            staged, self._staged = self._staged, {}
+            self._pending = []
+            seq, self._seq = self._seq, self._seq + 1
+            for info in self.ranks:
+                mine = staged.get(info.rank)
+                blob = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL) if mine else None
+                info.actor.submit(seq, payload, blob)
+
+    # answers ---------------------------------------------------------------------------------
+    def request(self, make, ranks) -> dict:
+        """Issue ``make(req)`` (a Fetch or Sync), flush, and return ``{rank: ActorFuture}``."""
+        req = next(self._reqs)
+        self.issue(make(req))
+        self.flush()
+        return {r: self.ranks[r].actor.answer(req) for r in ranks}
+
+    def wait(self, futures: dict, timeout: float | None = None) -> dict:
+        """Wait for answers, checking every ``poll_s`` that the ranks' workers are alive."""
+        start = time.monotonic()
+        last_check = start
+        delay = 5e-5
+        while not all(f.done() for f in futures.values()):
+            now = time.monotonic()
+            if timeout is not None and now - start > timeout:
+                raise TimeoutError(f"no answer from ranks {sorted(r for r, f in futures.items() if not f.done())} "
+                                   f"within {timeout}s")
+            if now - last_check > self.poll_s:
+                self.check_alive([r for r, f in futures.items() if not f.done()])
+                last_check = now
+            time.sleep(delay)
+            delay = min(delay * 2, 0.005)
+        out = {}
+        for rank, fut in futures.items():
+            try:
+                out[rank] = fut.result()
+            except Exception as exc:  # the actor call itself failed: the worker is gone
+                raise self._lost(rank, exc) from exc
+        return out
+
+    def check_alive(self, ranks=None) -> None:
+        """Raise WorkerLostError when a rank's Dask worker has left the cluster."""
+        try:
+            present = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        except Exception as exc:  # noqa: BLE001 - the scheduler itself is gone
+            self.closed = True
+            raise ClusterError(f"lost the Dask scheduler: {exc}; call dtorch.restart()") from exc
+        for r in (range(self.world) if ranks is None else ranks):
+            if self.ranks[r].address not in present:
+                raise self._lost(r)
+
+    def _lost(self, rank: int, exc: BaseException | None = None) -> WorkerLostError:
+        self.closed = True
+        why = f": {exc}" if exc else ""
+        return WorkerLostError(f"rank {rank} (Dask worker {self.ranks[rank].address}) died or left "
+                               f"the cluster{why}. Its shards are lost; call dtorch.restart() to "
+                               f"start a fresh world")
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until every rank ran everything issued; raise the errors they hit meanwhile."""
+        answers = self.wait(self.request(m.Sync, range(self.world)), timeout)
+        failures = [f for _, (_, errs) in sorted(answers.items()) for f in errs]
+        if failures:
+            err = remote_error(failures[0])
+            if len(failures) > 1:
+                err.args = (err.args[0] + f"\n({len(failures) - 1} more failures: " + "; ".join(
+                    f"rank {f.rank} in {f.op}: {f.message}" for f in failures[1:4]) + ")",)
+            err.failures = failures
+            raise err
+
+    def submit_background(self, fn):
+        return self._pool.submit(fn)
+
+    def stats(self) -> list[dict]:
+        self.flush()
+        return [info.actor.stats().result() for info in self.ranks]
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClusterError("the dtorch cluster is shut down or lost a worker; call "
+                               "dtorch.init() or dtorch.restart()")
+
+    def close(self) -> None:
+        """Stop the rank threads; shut the embedded cluster down if we started it."""
+        if self.closed and self.client is None:
+            return
+        try:
+            if not self.closed:
+                self.flush()
+                for fut in [info.actor.close() for info in self.ranks]:
+                    fut.result(timeout=30)
+        except Exception:  # noqa: BLE001 - a lost worker cannot be closed politely; go on
+            pass
+        finally:
+            self.closed = True
+            self._pool.shutdown(wait=False)
+            client, cluster, self.client = self.client, self.cluster, None
+            if client is not None:
+                client.close()
+            if cluster is not None:
+                cluster.close()

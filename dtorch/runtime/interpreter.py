@@ -1,0 +1,209 @@
+"""The rank interpreter: executes instructions in order on one rank's local shards.
+
+It owns the store ``{tensor id: local torch.Tensor}``. A failed instruction does not stop the
+stream: its outputs become :class:`Poison` values carrying the error, later instructions that
+read them are poisoned too, and a poisoned rank still takes part in every collective it is named
+in (with zeros of the shape the metadata gives) so its peers never wait for it. Example::
+
+    interp = Interpreter(rank=0, group_of=lambda ranks: None)
+    interp.execute(Create(...))
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from typing import Callable, NamedTuple
+
+import torch
+
+from .. import layout
+from ..redistribute import COLLECTIVES
+from . import messages as m
+from .collectives import StepContext, run_step, send_recv
+
+
+class RemoteFailure(NamedTuple):
+    """An exception on a rank: where, what, and the remote traceback."""
+
+    rank: int
+    op: str
+    message: str
+    traceback: str
+
+
+class Poison(NamedTuple):
+    """Stands in the store for a value whose computation failed."""
+
+    failure: RemoteFailure
+
+
+_DETERMINISTIC = {"zeros": torch.zeros, "ones": torch.ones, "empty": torch.empty}
+
+
+def _global_factory(fn: str, args, kwargs, shape, dtype, gen):
+    if fn == "rand":
+        return torch.rand(shape, generator=gen, dtype=dtype)
+    if fn == "randn":
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    if fn == "randint":
+        return torch.randint(args[0], args[1], shape, generator=gen, dtype=dtype)
+    if fn == "randperm":
+        return torch.randperm(shape[0], generator=gen, dtype=dtype)
+    if fn == "arange":
+        return torch.arange(*args, dtype=dtype)
+    if fn == "full":
+        return torch.full(shape, args[0], dtype=dtype)
+    raise ValueError(f"unknown factory {fn!r}")
+
+
+class Interpreter:
+    """One rank's store and instruction loop body."""
+
+    def __init__(self, rank: int, group_of: Callable[[tuple[int, ...]], object],
+                 make_groups: Callable[[tuple, str], None] | None = None, seed: int = 0):
+        self.rank = rank
+        self.store: dict[int, torch.Tensor | Poison] = {}
+        self.errors: list[RemoteFailure] = []
+        self.counts: Counter = Counter()
+        self.group_of = group_of
+        self.make_groups = make_groups
+        self.gen = torch.Generator().manual_seed(seed)
+        self.instructions = 0
+        self._handlers = {m.SetupMesh: self._setup_mesh, m.Seed: self._seed,
+                          m.Create: self._create, m.Load: self._load,
+                          m.Redistribute: self._redistribute, m.Call: self._call,
+                          m.Fetch: self._fetch, m.Sync: self._sync, m.Free: self._free}
+
+    # entry point -----------------------------------------------------------------------------
+    def execute(self, instr, staged: dict | None = None):
+        """Run one instruction; returns ``(req, answer)`` for Fetch/Sync, else None."""
+        self.instructions += 1
+        self._staged = staged
+        return self._handlers[type(instr)](instr)
+
+    def _fail(self, op: str, exc: BaseException) -> Poison:
+        failure = RemoteFailure(self.rank, op, f"{type(exc).__name__}: {exc}",
+                                "".join(traceback.format_exception(exc)))
+        self.errors.append(failure)
+        return Poison(failure)
+
+    # instructions ----------------------------------------------------------------------------
+    def _setup_mesh(self, instr: m.SetupMesh):
+        self.make_groups(instr.groups, instr.backend)
+
+    def _seed(self, instr: m.Seed):
+        self.gen.manual_seed(instr.seed)
+
+    def _create(self, instr: m.Create):
+        member = self.rank in instr.ranks
+        if not (member or instr.all_ranks):
+            return
+        try:
+            value = self._make(instr, member)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a poisoned value
+            value = self._fail(f"dtorch.{instr.fn}", exc) if member else None
+        if member:
+            self.store[instr.tid] = value
+
+    def _make(self, instr: m.Create, member: bool):
+        coord = instr.mesh.get_coordinate(self.rank) if member else None
+        if instr.fn in _DETERMINISTIC or instr.fn == "full":
+            if not member:
+                return None
+            shape = layout.local_shape(instr.shape, instr.mesh, instr.placements, coord)
+            if not layout.holds_value(instr.mesh, instr.placements, coord):
+                return torch.zeros(shape, dtype=instr.dtype)
+            if instr.fn == "full":
+                return torch.full(shape, instr.args[0], dtype=instr.dtype)
+            return _DETERMINISTIC[instr.fn](shape, dtype=instr.dtype)
+        full = _global_factory(instr.fn, instr.args, instr.kwargs, instr.shape, instr.dtype,
+                               self.gen)
+        if not member:
+            return None
+        return layout.shard_of(full, instr.mesh, instr.placements, coord)
+
+    def _load(self, instr: m.Load):
+        if self.rank in instr.ranks:
+            self.store[instr.tid] = self._staged[instr.tid]
+
+    def _redistribute(self, instr: m.Redistribute):
+        if self.rank not in instr.ranks:
+            return
+        value = self.store.get(instr.src)
+        poison = value if isinstance(value, Poison) else None
+        coord = instr.mesh.get_coordinate(self.rank)
+        if poison is not None or (value is None and coord is not None):
+            if value is None:
+                poison = self._fail("redistribute", KeyError(f"tensor {instr.src} not found"))
+            value = torch.zeros(layout.local_shape(instr.shape, instr.mesh,
+                                                   instr.steps[0].before, coord),
+                                dtype=instr.dtype)
+        ctx = StepContext(self.rank, instr.shape, instr.dtype, instr.mesh,
+                          instr.dst_mesh or instr.mesh, self.group_of)
+        try:
+            for step in instr.steps:
+                if step.kind == "send_recv":
+                    value, peer_poisoned = send_recv(step, value, ctx, poison is not None)
+                    if peer_poisoned and poison is None:
+                        poison = Poison(RemoteFailure(
+                            self.rank, "redistribute", "the shard sent to this rank was computed "
+                            "from a failed op on its source rank", ""))
+                elif coord is not None:
+                    value = run_step(step, value, ctx)
+                if step.kind in COLLECTIVES and any(self.rank in g for g in step.groups):
+                    self.counts[step.kind] += 1
+        except Exception as exc:  # noqa: BLE001
+            poison = poison or self._fail("redistribute", exc)
+        if value is not None or poison is not None:
+            self.store[instr.out] = poison if poison is not None else value
+
+    def _resolve(self, obj):
+        if isinstance(obj, m.Ref):
+            return self.store[obj.tid]
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(self._resolve(x) for x in obj)
+        if isinstance(obj, dict):
+            return {k: self._resolve(v) for k, v in obj.items()}
+        return obj
+
+    def _call(self, instr: m.Call):
+        if self.rank not in instr.ranks:
+            return
+        try:
+            args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
+            poison = next((a for a in (*args, *kwargs.values()) if isinstance(a, Poison)), None)
+            if poison is not None:
+                outs = [poison] * len(instr.outs)
+            else:
+                result = instr.fn(*args, **kwargs)
+                outs = list(result) if len(instr.outs) != 1 else [result]
+        except Exception as exc:  # noqa: BLE001
+            outs = [self._fail(getattr(instr.fn, "__name__", str(instr.fn)), exc)] * len(instr.outs)
+        for tid, value in zip(instr.outs, outs):
+            self.store[tid] = value
+
+    def _fetch(self, instr: m.Fetch):
+        if self.rank not in instr.ranks:
+            return None
+        value = self.store.get(instr.tid)
+        if value is None:
+            return instr.req, ("err", RemoteFailure(self.rank, "fetch", "tensor not found", ""))
+        if isinstance(value, Poison):
+            return instr.req, ("err", value.failure)
+        return instr.req, ("ok", value)
+
+    def _sync(self, instr: m.Sync):
+        errors, self.errors = self.errors, []
+        return instr.req, ("ok", errors)
+
+    def _free(self, instr: m.Free):
+        for tid in instr.tids:
+            self.store.pop(tid, None)
+
+    # introspection ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        tensors = [v for v in self.store.values() if isinstance(v, torch.Tensor)]
+        return {"rank": self.rank, "tensors": len(self.store),
+                "bytes": sum(t.numel() * t.element_size() for t in tensors),
+                "counts": dict(self.counts), "instructions": self.instructions}

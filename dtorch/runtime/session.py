@@ -1,0 +1,155 @@
+"""The process-wide session: ``dtorch.init / cluster_info / synchronize / shutdown / restart``.
+
+The first DTensor op calls ``init()`` with defaults. Example::
+
+    >>> import dtorch                                       # doctest: +SKIP
+    >>> dtorch.init(n_workers=4)                            # doctest: +SKIP
+    >>> dtorch.cluster_info()["ranks"]                      # doctest: +SKIP
+    4
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import time
+
+from .. import config
+from ..errors import ClusterError
+from .cluster import connect, local_threads, place_rank_actors, start_local_cluster, \
+    worker_addresses
+from .controller import Controller
+from . import messages as m
+
+_controller: Controller | None = None
+_init_args: dict | None = None
+
+
+def _collective_timeout() -> float:
+    return float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "60"))
+
+
+def init(n_workers: int | None = None, address: str | None = None, device_type: str = "cpu",
+         **dask_kwargs) -> Controller:
+    """Start the embedded cluster (or join ``address``) and bring up one rank per worker.
+
+    Calling it again with the same arguments returns the running session; with a different
+    size while DTensors are alive it raises.
+    """
+    global _controller, _init_args
+    if device_type not in ("cpu", "cuda"):
+        raise ClusterError(f"device_type must be 'cpu' or 'cuda'; got {device_type!r}")
+    args = dict(n_workers=n_workers, address=address, device_type=device_type, **dask_kwargs)
+    if _controller is not None and not _controller.closed:
+        if n_workers is None and address is None and not dask_kwargs or args == _init_args:
+            return _controller
+        if _controller.live_tensors > 0:
+            raise ClusterError(
+                f"dtorch is already running {_controller.world} ranks with "
+                f"{_controller.live_tensors} DTensors alive; delete them or call "
+                f"dtorch.shutdown() before dtorch.init(...) with a different cluster")
+        shutdown()
+    _controller = _start(n_workers, address, device_type, dask_kwargs)
+    _init_args = args
+    return _controller
+
+
+def _start(n_workers, address, device_type, dask_kwargs) -> Controller:
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    started = time.monotonic()
+    if address is not None:
+        client, cluster = connect(address, **dask_kwargs), None
+        workers = worker_addresses(client, n_workers)
+        if n_workers is not None:
+            workers = workers[:n_workers]
+        threads = None
+    else:
+        if n_workers is None:
+            n_workers = _default_gpu_count() if device_type == "cuda" else config.default_workers()
+        print(f"dtorch: starting {n_workers} local workers ...", end="", flush=True)
+        client, cluster = start_local_cluster(n_workers, **dask_kwargs)
+        workers = worker_addresses(client, n_workers)
+        threads = local_threads(n_workers)
+    try:
+        ranks = place_rank_actors(client, backend, _collective_timeout(),
+                                  secrets.randbits(48), workers, threads)
+    except BaseException:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+        raise
+    if address is None:
+        print(f" ready in {time.monotonic() - started:.1f}s", flush=True)
+    controller = Controller(client, cluster, ranks, device_type, backend)
+    config.set_running_world_size(len(ranks))
+    atexit.unregister(shutdown)
+    atexit.register(shutdown)  # after Dask's own exit hooks were registered, so it runs first
+    return controller
+
+
+def _default_gpu_count() -> int:
+    import torch
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise ClusterError("device_type='cuda' but this machine has no GPU; use device_type='cpu'")
+    return n
+
+
+def get_controller() -> Controller:
+    """The running controller, starting the default cluster on first use."""
+    if _controller is None or _controller.closed:
+        return init()
+    return _controller
+
+
+def is_running() -> bool:
+    return _controller is not None and not _controller.closed
+
+
+def synchronize(timeout: float | None = None) -> None:
+    """Flush and wait until every rank executed everything issued; raise remote errors."""
+    if is_running():
+        _controller.synchronize(timeout)
+
+
+def flush() -> None:
+    """Ship pending instructions without waiting (the kernel calls this after each cell)."""
+    if is_running():
+        _controller.flush()
+
+
+def manual_seed(seed: int) -> None:
+    """Seed every rank: random factories then match ``torch.manual_seed(seed)`` on one device."""
+    c = get_controller()
+    c.issue(m.Seed(int(seed)))
+
+
+def cluster_info() -> dict:
+    """Ranks, their Dask worker addresses, devices, backend and dashboard link."""
+    c = get_controller()
+    link = getattr(c.client, "dashboard_link", None) if c.cluster is not None else None
+    return {"ranks": c.world, "backend": c.backend, "device_type": c.device_type,
+            "workers": {info.rank: info.address for info in c.ranks},
+            "devices": {info.rank: c.device_type for info in c.ranks},
+            "scheduler": c.client.scheduler.address, "dashboard": link,
+            "embedded": c.cluster is not None, "live_tensors": c.live_tensors}
+
+
+def shutdown() -> None:
+    """Stop the ranks and the embedded cluster; DTensors made before become unusable."""
+    global _controller
+    c, _controller = _controller, None
+    config.set_running_world_size(None)
+    if c is not None:
+        c.close()
+
+
+def restart() -> Controller:
+    """A fresh world with the same arguments (after a lost worker, say)."""
+    args = dict(_init_args or {})
+    shutdown()
+    return init(**args)
+
+
+atexit.register(shutdown)

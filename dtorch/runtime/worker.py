@@ -1,0 +1,156 @@
+"""The rank runtime: a Dask actor hosting one rank's interpreter thread.
+
+Dask delivers actor calls concurrently and possibly out of order, so batches carry sequence
+numbers and the interpreter thread executes them strictly in order. The actor's methods are
+``async`` (they run on the worker's event loop and never wait for the interpreter), so a batch
+can always be delivered while the interpreter is busy in a collective. Example (controller)::
+
+    actor = client.submit(RankActor, rank, world, addr, port, "gloo", actor=True,
+                          workers=[worker_address]).result()
+    actor.submit(0, batch_bytes, None)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import threading
+from datetime import timedelta
+
+from . import messages as m
+from .interpreter import Interpreter, RemoteFailure
+
+_STOP = object()
+
+
+class RankActor:
+    """One rank: joins the torch.distributed world, then runs batches in sequence order."""
+
+    def __init__(self, rank: int, world: int, master_addr: str, master_port: int,
+                 backend: str = "gloo", timeout_s: float = 60.0, seed: int = 0,
+                 num_threads: int | None = None):
+        self.rank, self.world = rank, world
+        self._inbox: dict[int, tuple] = {}
+        self._next_seq = 0
+        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._answers: dict[int, object] = {}
+        self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._init_error: RemoteFailure | None = None
+        self._ready = threading.Event()
+        self._groups: dict[tuple[int, ...], object] = {}
+        self.interp = Interpreter(rank, self._group_of, self._make_groups, seed)
+        args = (master_addr, master_port, backend, timeout_s, num_threads)
+        self._thread = threading.Thread(target=self._run, args=args, daemon=True,
+                                        name=f"dtorch-rank-{rank}")
+        self._thread.start()
+
+    # called by the controller (event loop; never blocks) ---------------------------------------
+    async def submit(self, seq: int, payload: bytes, staged: bytes | None = None) -> None:
+        with self._cv:
+            self._inbox[seq] = (payload, staged)
+            self._cv.notify()
+
+    async def answer(self, req: int):
+        """The answer to request ``req`` (a Fetch or a Sync), once the interpreter reaches it."""
+        with self._lock:
+            if req in self._answers:
+                return self._answers.pop(req)
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            self._waiters[req] = (loop, fut)
+        return await fut
+
+    async def ready(self) -> RemoteFailure | None:
+        """Wait until the process group is up; returns the init error, if any."""
+        await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
+        return self._init_error
+
+    async def stats(self) -> dict:
+        out = self.interp.stats()
+        out["pending_batches"] = len(self._inbox)
+        out["next_seq"] = self._next_seq
+        try:
+            import psutil
+            out["rss"] = psutil.Process().memory_info().rss
+        except ImportError:  # pragma: no cover - psutil comes with distributed
+            out["rss"] = None
+        return out
+
+    async def close(self) -> None:
+        with self._cv:
+            self._inbox[-1] = _STOP
+            self._cv.notify()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+
+    # interpreter thread ----------------------------------------------------------------------
+    def _post(self, req: int, answer) -> None:
+        with self._lock:
+            waiter = self._waiters.pop(req, None)
+            if waiter is None:
+                self._answers[req] = answer
+        if waiter is not None:
+            loop, fut = waiter
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(answer))
+
+    def _next_batch(self):
+        with self._cv:
+            while self._next_seq not in self._inbox and -1 not in self._inbox:
+                self._cv.wait()
+            if -1 in self._inbox and self._next_seq not in self._inbox:
+                return _STOP
+            item = self._inbox.pop(self._next_seq)
+            self._next_seq += 1
+            return item
+
+    def _run(self, master_addr, master_port, backend, timeout_s, num_threads) -> None:
+        import torch
+        import torch.distributed as dist
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        try:
+            if master_addr.startswith("127.") or master_addr == "localhost":
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=self.rank, world_size=self.world,
+                                    timeout=timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001 - reported to the controller
+            self._init_error = self.interp._fail("init_process_group", exc)[0]
+        self._ready.set()
+        while True:
+            item = self._next_batch()
+            if item is _STOP:
+                break
+            payload, staged = item
+            instructions = pickle.loads(payload)
+            staged = pickle.loads(staged) if staged else None
+            for instr in instructions:
+                if self._init_error is not None:
+                    answer = _init_failure_answer(instr, self._init_error)
+                else:
+                    answer = self.interp.execute(instr, staged)
+                if answer is not None:
+                    self._post(*answer)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _group_of(self, ranks: tuple[int, ...]):
+        return self._groups[tuple(sorted(ranks))]
+
+    def _make_groups(self, groups, backend: str) -> None:
+        """Create process groups in the given order (every rank calls this identically)."""
+        import torch.distributed as dist
+        for ranks in groups:
+            key = tuple(sorted(ranks))
+            if key not in self._groups:
+                self._groups[key] = dist.new_group(list(key), backend=backend)
+
+
+def _init_failure_answer(instr, failure: RemoteFailure):
+    """Without a process group nothing runs; Fetch and Sync answer with the init error."""
+    if isinstance(instr, m.Fetch) and failure.rank in instr.ranks:
+        return instr.req, ("err", failure)
+    if isinstance(instr, m.Sync):
+        return instr.req, ("ok", [failure])
+    return None

@@ -1,0 +1,304 @@
+"""DTensor: a handle to a tensor whose shards live on the ranks.
+
+The handle holds metadata only (shape, dtype, mesh, placements); values stay on the workers
+until asked for. Example::
+
+    >>> import torch, dtorch                                               # doctest: +SKIP
+    >>> from dtorch import init_device_mesh, Shard, Replicate              # doctest: +SKIP
+    >>> mesh = init_device_mesh("cpu", 4)                                  # doctest: +SKIP
+    >>> x = dtorch.tensor(torch.arange(8.), device_mesh=mesh, placements=[Shard(0)])  # doctest: +SKIP
+    >>> x.redistribute(placements=[Replicate()]).to_local(3)               # doctest: +SKIP
+    tensor([0., 1., 2., 3., 4., 5., 6., 7.])
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import comm_debug, layout
+from .errors import FreedTensorError, PlacementValueError
+from .future import TensorFuture
+from .mesh import DeviceMesh
+from .placement import Partial, Placement, Replicate, Shard, format_placements
+from .redistribute import plan_redistribute
+from .runtime import messages as m
+from .runtime import session
+
+_REPR_MAX_ELEMENTS = 1 << 22
+
+
+class TensorSpec(NamedTuple):
+    """A DTensor's metadata: global shape, dtype, mesh and normalized placements."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+
+
+def make_spec(shape, dtype, mesh, placements) -> TensorSpec:
+    """Validate and normalize; placements default to all Replicate."""
+    if not isinstance(mesh, DeviceMesh):
+        raise PlacementValueError(f"device_mesh must be a dtorch.DeviceMesh; got {mesh!r}")
+    shape = tuple(int(s) for s in shape)
+    if placements is None:
+        placements = (Replicate(),) * mesh.ndim
+    return TensorSpec(shape, dtype, mesh, layout.normalize_placements(placements, mesh,
+                                                                      len(shape)))
+
+
+class DTensor:
+    """A distributed tensor: ``dtorch.Tensor(torch_tensor, device_mesh=, placements=)``."""
+
+    __slots__ = ("_spec", "_tid", "_controller", "__weakref__")
+
+    def __init__(self, data, device_mesh: DeviceMesh | None = None, placements=None):
+        from .factories import tensor as _tensor
+        made = _tensor(data, device_mesh=device_mesh, placements=placements)
+        self._adopt(made)
+
+    def _adopt(self, other: "DTensor") -> None:
+        self._spec, self._tid, self._controller = other._spec, other._tid, other._controller
+        other._tid = None
+        other._controller = None
+
+    @classmethod
+    def _wrap(cls, spec: TensorSpec, tid: int, controller) -> "DTensor":
+        obj = cls.__new__(cls)
+        obj._spec, obj._tid, obj._controller = spec, tid, controller
+        controller.live_tensors += 1
+        return obj
+
+    def __del__(self):
+        c = getattr(self, "_controller", None)
+        if c is not None and not c.closed and self._tid is not None:
+            c.release(self._tid)
+
+    # metadata --------------------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._spec.shape)
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self._spec.shape[dim]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._spec.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._spec.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        n = 1
+        for s in self._spec.shape:
+            n *= s
+        return n
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    def local_shapes(self) -> dict[int, tuple[int, ...]]:
+        """``{rank: local shape}`` without moving data."""
+        return layout.local_shapes(self._spec.shape, self._spec.mesh, self._spec.placements)
+
+    def _live(self):
+        c = self._controller
+        if c is None or self._tid is None:
+            raise FreedTensorError("this DTensor was freed or moved into another handle; "
+                                   "make it again")
+        if c.closed or c is not session._controller:
+            raise FreedTensorError("this DTensor belongs to a dtorch cluster that was shut down "
+                                   "or restarted; its shards are gone. Make it again")
+        return c
+
+    # values ----------------------------------------------------------------------------------
+    def to_torch_async(self) -> TensorFuture:
+        """Start gathering the global value; returns a TensorFuture."""
+        c = self._live()
+        spec, tid, cleanup = self._spec, self._tid, None
+        if any(p.is_partial() for p in spec.placements):
+            target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+            reduced = self._redistribute_to(spec.mesh, target)
+            spec, tid = reduced._spec, reduced._tid
+            cleanup = reduced  # kept alive until the answers are in
+        blocks = _distinct_blocks(spec)
+        answers = c.request(lambda req: m.Fetch(req, tid, tuple(blocks)), blocks)
+
+        def assemble(results):
+            out = torch.empty(spec.shape, dtype=spec.dtype)
+            for rank, (status, value) in results.items():
+                if status != "ok":
+                    raise _remote(value)
+                out[blocks[rank].slices()] = value
+            return out
+
+        return TensorFuture(c, answers, assemble, (lambda: cleanup) if cleanup is not None else None)
+
+    def to_torch(self) -> torch.Tensor:
+        """The global value as one torch.Tensor (Shard: concatenate; Partial: reduce)."""
+        return self.to_torch_async().get()
+
+    full_tensor = to_torch
+
+    def to_local(self, rank: int) -> torch.Tensor:
+        """The local tensor ``rank`` stores (a Partial shard is its partial value)."""
+        c = self._live()
+        if self._spec.mesh.get_coordinate(rank) is None:
+            raise ValueError(f"rank {rank} is not in this tensor's mesh {self._spec.mesh}; "
+                             f"pick one of {list(self._spec.mesh.ranks)}")
+        answers = c.wait(c.request(lambda req: m.Fetch(req, self._tid, (rank,)), [rank]))
+        status, value = answers[rank]
+        if status != "ok":
+            raise _remote(value)
+        return value
+
+    def item(self):
+        return self.to_torch().item()
+
+    def tolist(self):
+        return self.to_torch().tolist()
+
+    def numpy(self):
+        return self.to_torch().numpy()
+
+    def __bool__(self) -> bool:
+        return bool(self.to_torch())
+
+    def __float__(self) -> float:
+        return float(self.to_torch())
+
+    def __int__(self) -> int:
+        return int(self.to_torch())
+
+    def __len__(self) -> int:
+        if not self._spec.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._spec.shape[0]
+
+    def __repr__(self) -> str:
+        spec = self._spec
+        head = (f"DTensor(shape={tuple(spec.shape)}, dtype={spec.dtype}, mesh={spec.mesh!r}, "
+                f"placements={format_placements(spec.placements)})")
+        if self._tid is None:
+            return head[:-1] + ", freed)"
+        if self.numel() > _REPR_MAX_ELEMENTS:
+            return head + f"\n<{self.numel()} elements not gathered for display; call .to_torch()>"
+        return head + "\n" + repr(self.to_torch())
+
+    # redistribution --------------------------------------------------------------------------
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None) -> "DTensor":
+        """Same value, new placements and/or mesh (same mesh shape). Runs the collectives the
+        change implies; moving to the same mesh and placements returns ``self``."""
+        mesh = device_mesh if device_mesh is not None else self._spec.mesh
+        if placements is None:
+            placements = self._spec.placements
+        return self._redistribute_to(mesh, placements)
+
+    def _redistribute_to(self, mesh: DeviceMesh, placements) -> "DTensor":
+        c = self._live()
+        spec = self._spec
+        steps = plan_redistribute(spec.mesh, spec.shape, spec.placements, placements,
+                                  spec.dtype.itemsize, dst_mesh=mesh)
+        target = make_spec(spec.shape, spec.dtype, mesh, placements)
+        if not steps and mesh == spec.mesh:
+            return self
+        c.ensure_mesh(mesh)
+        out = c.new_tid()
+        ranks = tuple(sorted(set(spec.mesh.ranks) | set(mesh.ranks)))
+        if steps:
+            c.issue(m.Redistribute(out, self._tid, spec.shape, spec.dtype, spec.mesh,
+                                   mesh if mesh != spec.mesh else None, steps, ranks))
+            comm_debug.record_steps(steps)
+        else:  # a different mesh whose ranks sit at the same coordinates: nothing moves
+            c.issue(m.Call((out,), _identity, (m.Ref(self._tid),), {}, ranks))
+        return DTensor._wrap(target, out, c)
+
+    def redistribute_by_dict(self, placements_dict=None, device_mesh: DeviceMesh | None = None,
+                             default_placement_mode: str = "keep") -> "DTensor":
+        """Redistribute with placements given by mesh dim name (or index).
+
+        Dims missing from the dict follow ``default_placement_mode``: ``"keep"`` the current
+        placement, ``"replicate"`` Replicate(), ``"raise_error"`` raise. Names the target mesh
+        lacks are ignored. ``x.redistribute_by_dict(mesh, placements_dict={...})`` works too.
+        """
+        if isinstance(placements_dict, DeviceMesh):
+            placements_dict, device_mesh = device_mesh, placements_dict
+        placements_dict = dict(placements_dict or {})
+        mesh = device_mesh if device_mesh is not None else self._spec.mesh
+        if default_placement_mode not in ("keep", "replicate", "raise_error"):
+            raise ValueError(f"default_placement_mode must be 'keep', 'replicate' or "
+                             f"'raise_error'; got {default_placement_mode!r}")
+        if mesh.ndim != self._spec.mesh.ndim:
+            raise PlacementValueError(f"cannot redistribute from a {self._spec.mesh.ndim}-D mesh "
+                                      f"to a {mesh.ndim}-D mesh; meshes must have the same shape")
+        wanted = {}
+        for key, p in placements_dict.items():
+            idx = key if isinstance(key, int) else mesh.dim_name_index(key)
+            if idx is not None:
+                wanted[mesh.dim_index(idx)] = p
+        placements = []
+        for i in range(mesh.ndim):
+            if i in wanted:
+                placements.append(wanted[i])
+            elif default_placement_mode == "keep":
+                placements.append(self._spec.placements[i])
+            elif default_placement_mode == "replicate":
+                placements.append(Replicate())
+            else:
+                name = mesh.mesh_dim_names[i] if mesh.mesh_dim_names else i
+                raise PlacementValueError(
+                    f"redistribute_by_dict got no placement for mesh dim {name!r} and "
+                    f"default_placement_mode='raise_error'; add {name!r} to the dict")
+        return self._redistribute_to(mesh, placements)
+
+    def redistribute_like(self, other: "DTensor") -> "DTensor":
+        """Redistribute to ``other``'s mesh and placements."""
+        return self._redistribute_to(other.device_mesh, other.placements)
+
+    def check_placement(self, dim: int | str, placement: Placement) -> bool:
+        """Whether mesh dim ``dim`` (index or name) has ``placement`` (Shard dims normalized)."""
+        idx = self._spec.mesh.dim_index(dim)
+        if isinstance(placement, Shard):
+            placement = Shard(placement.dim % max(self.ndim, 1))
+        return self._spec.placements[idx] == placement
+
+    def _repr_html_(self) -> str:
+        try:
+            from dtorch_widgets.html import shard_html
+        except ImportError:
+            return None
+        return shard_html(self._spec.shape, self._spec.mesh, self._spec.placements)
+
+
+def _identity(x):
+    return x
+
+
+def _distinct_blocks(spec: TensorSpec) -> dict[int, layout.RankBlock]:
+    """One rank per distinct block: coordinate 0 along every non-Shard mesh dim."""
+    out = {}
+    for rank in spec.mesh.ranks:
+        coord = spec.mesh.get_coordinate(rank)
+        if all(c == 0 for p, c in zip(spec.placements, coord) if not isinstance(p, Shard)):
+            out[rank] = layout.rank_block(spec.shape, spec.mesh, spec.placements, coord)
+    return out
+
+
+def _remote(failure):
+    from .runtime.controller import remote_error
+    return remote_error(failure, "reading this tensor")
+
+
+Tensor = DTensor
