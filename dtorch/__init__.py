@@ -16,7 +16,7 @@ from .redistribute import plan_redistribute
 from .comm_debug import CommDebugMode
 
 from .tensor import DTensor, Tensor
-from .factories import (arange, distribute_tensor, empty, empty_like, full, full_like, ones,
+from .factories import (arange, distribute_tensor, empty, from_local, empty_like, full, full_like, ones,
                         ones_like, rand, rand_like, randint, randn, randn_like, tensor, zeros,
                         zeros_like)
 from .graph import Graph

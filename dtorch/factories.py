@@ -172,6 +172,42 @@ def tensor(data, dtype=None, device_mesh=None, placements=None, device=None,
     return DTensor._wrap(spec, tid, c)
 
 
+def from_local(local_tensors, device_mesh: DeviceMesh, placements, shape=None) -> DTensor:
+    """A DTensor from each rank's local tensor, as stored (handy for teaching Partial).
+
+    ``local_tensors`` is a list in ``device_mesh.ranks`` order or a ``{rank: tensor}`` dict.
+    ``shape`` (the global shape) is needed when a placement is a Shard.
+
+    ``dtorch.from_local([t0, t1, t2, t3], mesh, [Partial()])`` holds ``t0 + t1 + t2 + t3``.
+    """
+    if not isinstance(local_tensors, dict):
+        local_tensors = dict(zip(device_mesh.ranks, local_tensors))
+    missing = [r for r in device_mesh.ranks if r not in local_tensors]
+    if missing:
+        raise ValueError(f"from_local needs a local tensor for every rank of the mesh; "
+                         f"missing ranks {missing}")
+    first = torch.as_tensor(local_tensors[device_mesh.ranks[0]])
+    if shape is None:
+        if any(p.is_shard() for p in placements):
+            raise ValueError("from_local with a Shard placement needs the global shape: pass "
+                             "shape=(...)")
+        shape = tuple(first.shape)
+    spec = make_spec(shape, first.dtype, device_mesh, placements)
+    c = session.get_controller()
+    c.ensure_mesh(device_mesh)
+    tid = c.new_tid()
+    for rank in device_mesh.ranks:
+        local = torch.as_tensor(local_tensors[rank]).detach().cpu()
+        want = layout.local_shape(spec.shape, device_mesh, spec.placements,
+                                  device_mesh.get_coordinate(rank))
+        if tuple(local.shape) != want or local.dtype != spec.dtype:
+            raise ValueError(f"rank {rank}'s local tensor is {tuple(local.shape)} {local.dtype}; "
+                             f"the layout needs {want} {spec.dtype}")
+        c.stage(rank, tid, local.clone())
+    c.issue(m.Load(tid, device_mesh.ranks))
+    return DTensor._wrap(spec, tid, c)
+
+
 def distribute_tensor(tensor_, device_mesh: DeviceMesh, placements=None) -> DTensor:
     """PyTorch's name for :func:`tensor`: ``distribute_tensor(t, mesh, [Shard(0)])``."""
     return tensor(tensor_, device_mesh=device_mesh, placements=placements)
@@ -179,4 +215,4 @@ def distribute_tensor(tensor_, device_mesh: DeviceMesh, placements=None) -> DTen
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "zeros_like",
            "ones_like", "empty_like", "rand_like", "randn_like", "full_like", "tensor",
-           "distribute_tensor"]
+           "distribute_tensor", "from_local"]

@@ -103,6 +103,16 @@ class DeviceMesh:
         names = f", mesh_dim_names={self._names!r}" if self._names else ""
         return f"DeviceMesh({self._device_type!r}, {self.mesh_list!r}{names})"
 
+    def _repr_html_(self) -> str:
+        """Static picture of the rank grid (renders on GitHub and in nbconvert output)."""
+        from dtorch_widgets.html import mesh_html
+        return mesh_html(self)
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        """The static picture, plus the interactive MeshView inside a Jupyter kernel."""
+        from dtorch_widgets.display import mesh_mimebundle
+        return mesh_mimebundle(self, include, exclude)
+
     # attributes ------------------------------------------------------------------------------
     @property
     def device_type(self) -> str:

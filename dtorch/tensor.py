@@ -225,7 +225,8 @@ class DTensor:
             c.issue(m.Call((out,), _identity, (m.Ref(self._tid),), {}, ranks))
         return DTensor._wrap(target, out, c)
 
-    def redistribute_by_dict(self, placements_dict=None, device_mesh: DeviceMesh | None = None,
+    def redistribute_by_dict(self, *args, placements_dict=None,
+                             device_mesh: DeviceMesh | None = None,
                              default_placement_mode: str = "keep") -> "DTensor":
         """Redistribute with placements given by mesh dim name (or index).
 
@@ -233,8 +234,14 @@ class DTensor:
         placement, ``"replicate"`` Replicate(), ``"raise_error"`` raise. Names the target mesh
         lacks are ignored. ``x.redistribute_by_dict(mesh, placements_dict={...})`` works too.
         """
-        if isinstance(placements_dict, DeviceMesh):
-            placements_dict, device_mesh = device_mesh, placements_dict
+        for arg in args:  # (placements_dict[, device_mesh]) or the seed's (device_mesh, dict)
+            if isinstance(arg, DeviceMesh):
+                device_mesh = arg
+            elif isinstance(arg, dict):
+                placements_dict = arg
+            else:
+                raise TypeError(f"redistribute_by_dict takes a dict of placements and a "
+                                f"DeviceMesh; got {arg!r}")
         placements_dict = dict(placements_dict or {})
         mesh = device_mesh if device_mesh is not None else self._spec.mesh
         if default_placement_mode not in ("keep", "replicate", "raise_error"):
@@ -275,11 +282,14 @@ class DTensor:
         return self._spec.placements[idx] == placement
 
     def _repr_html_(self) -> str:
-        try:
-            from dtorch_widgets.html import shard_html
-        except ImportError:
-            return None
-        return shard_html(self._spec.shape, self._spec.mesh, self._spec.placements)
+        """Static picture of the layout (metadata only; fetches no values)."""
+        from dtorch_widgets.html import dtensor_html
+        return dtensor_html(self)
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        """The static picture, plus the interactive ShardView inside a Jupyter kernel."""
+        from dtorch_widgets.display import dtensor_mimebundle
+        return dtensor_mimebundle(self, include, exclude)
 
 
 def _identity(x):

@@ -1,1 +1,26 @@
-"""ipywidgets views of meshes, shards and collectives (installed as ``dtorch_widgets``)."""
+"""ipywidgets views of meshes, shards and collectives (installed as ``dtorch_widgets``).
+
+Static pictures (pure HTML/SVG, size-capped; what ``_repr_html_`` returns):
+:func:`mesh_html`, :func:`shard_html`, :func:`comm_html`, :func:`dtensor_html`.
+Interactive widgets (``ipywidgets.VBox`` subclasses whose state reads without a frontend):
+:class:`MeshView`, :class:`ShardView`, :class:`CommView`. Example::
+
+    >>> from dtorch import init_device_mesh, Shard, Replicate
+    >>> from dtorch_widgets import MeshView, ShardView
+    >>> m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    >>> MeshView(m, highlight_dim="dp").highlighted_groups
+    ((0, 2), (1, 3))
+    >>> ShardView((4, 4), m, [Shard(0), Shard(1)]).owners_of((3, 0))
+    (2,)
+"""
+
+from .comm_view import CommView
+from .display import comm_mimebundle, dtensor_mimebundle, mesh_mimebundle
+from .html import comm_html, dtensor_html, mesh_html, shard_html
+from .mesh_view import MeshView
+from .shard_view import ShardView
+from .tiles import Tiling
+
+__all__ = ["MeshView", "ShardView", "CommView", "Tiling", "mesh_html", "shard_html",
+           "comm_html", "dtensor_html", "mesh_mimebundle", "dtensor_mimebundle",
+           "comm_mimebundle"]

@@ -122,6 +122,7 @@ def _reduce_scatter(step, local, ctx, group, pg):
     inp = torch.stack([_pad(x.narrow(d, offsets[c], pieces[c]), d, max(pieces))
                        for c in _slots(group)]).contiguous()
     out = inp.new_empty(inp.shape[1:])
+    inp = inp.reshape((-1,) + tuple(inp.shape[2:]))  # gloo wants n outputs stacked on dim 0
     if inp.numel():
         _reduce_scatter_flat(out, inp, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
     t = out.narrow(d, 0, pieces[me]).to(local.dtype)

@@ -1,0 +1,31 @@
+"""Shared fixtures: one real 4-rank Dask cluster for the whole test session."""
+
+import pytest
+
+import dtorch
+from dtorch import init_device_mesh
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The embedded LocalCluster with 4 worker processes (started once, torn down at the end)."""
+    controller = dtorch.init(n_workers=4)
+    yield controller
+    dtorch.shutdown()
+
+
+@pytest.fixture
+def live(cluster):
+    """The running controller (restarted by a test that killed a worker)."""
+    from dtorch.runtime import session
+    return session.get_controller()
+
+
+@pytest.fixture
+def mesh1d(live):
+    return init_device_mesh("cpu", 4)
+
+
+@pytest.fixture
+def mesh2d(live):
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

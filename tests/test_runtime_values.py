@@ -1,0 +1,168 @@
+"""DTensors on a real 4-worker cluster: factories, placements and values against plain torch."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
+
+PLACEMENTS_1D = [[Shard(0)], [Shard(1)], [Replicate()], [Partial("sum")], [Partial("avg")],
+                 [Partial("max")], [Partial("min")]]
+PLACEMENTS_2D = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Replicate(), Shard(0)],
+                 [Shard(0), Replicate()], [Shard(0), Shard(0)], [Partial(), Shard(1)],
+                 [Replicate(), Partial("max")], [Replicate(), Replicate()]]
+
+
+def test_seed_002_blocks_on_2x2_mesh(mesh2d):
+    big = torch.arange(16.).reshape(4, 4)
+    d = dtorch.distribute_tensor(big, mesh2d, [Shard(0), Shard(1)])
+    assert d.to_local(0).flatten().tolist() == [0.0, 1.0, 4.0, 5.0]
+    assert d.to_local(1).flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
+    assert d.to_local(2).flatten().tolist() == [8.0, 9.0, 12.0, 13.0]
+    assert d.to_local(3).flatten().tolist() == [10.0, 11.0, 14.0, 15.0]
+    assert tuple(d.shape) == (4, 4)
+    assert d.local_shapes() == {r: (2, 2) for r in range(4)}
+    assert torch.equal(d.to_torch(), big)
+
+
+@pytest.mark.parametrize("placements", PLACEMENTS_1D, ids=str)
+@pytest.mark.parametrize("shape", [(4, 4), (5, 3), (3, 11)])
+def test_tensor_roundtrip_1d(mesh1d, placements, shape):
+    value = torch.randn(shape, dtype=torch.float64)
+    d = dtorch.tensor(value, device_mesh=mesh1d, placements=placements)
+    assert d.placements == tuple(placements)
+    assert torch.allclose(d.to_torch(), value)
+
+
+@pytest.mark.parametrize("placements", PLACEMENTS_2D, ids=str)
+def test_tensor_roundtrip_2d(mesh2d, placements):
+    value = torch.arange(35, dtype=torch.float32).reshape(5, 7)
+    d = dtorch.tensor(value, device_mesh=mesh2d, placements=placements)
+    assert torch.equal(d.to_torch(), value)
+
+
+def test_partial_sum_keeps_value_on_first_rank(mesh1d):
+    value = torch.ones(2, 2)
+    d = dtorch.tensor(value, device_mesh=mesh1d, placements=[Partial()])
+    assert torch.equal(d.to_local(0), value)
+    assert torch.equal(d.to_local(2), torch.zeros(2, 2))
+    avg = dtorch.tensor(value, device_mesh=mesh1d, placements=[Partial("avg")])
+    assert torch.equal(avg.to_local(3), value)
+
+
+@pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)], [Replicate()], [Partial()]],
+                         ids=str)
+@pytest.mark.parametrize("name", ["zeros", "ones", "empty"])
+def test_constant_factories(mesh1d, name, placements):
+    d = getattr(dtorch, name)(3, 5, device_mesh=mesh1d, placements=placements)
+    assert d.shape == torch.Size([3, 5]) and d.dtype == torch.float32
+    if name != "empty":
+        assert torch.equal(d.to_torch(), getattr(torch, name)(3, 5))
+
+
+def test_full_arange_and_like_factories(mesh2d):
+    f = dtorch.full((3, 4), 7.5, device_mesh=mesh2d, placements=[Shard(0), Shard(1)])
+    assert torch.equal(f.to_torch(), torch.full((3, 4), 7.5))
+    a = dtorch.arange(10, device_mesh=mesh2d, placements=[Shard(0), Replicate()])
+    assert a.dtype == torch.int64 and torch.equal(a.to_torch(), torch.arange(10))
+    b = dtorch.arange(1.0, 4.0, 0.5, device_mesh=mesh2d, placements=[Replicate(), Shard(0)])
+    assert torch.equal(b.to_torch(), torch.arange(1.0, 4.0, 0.5))
+    z = dtorch.zeros_like(f)
+    assert z.placements == f.placements and torch.equal(z.to_torch(), torch.zeros(3, 4))
+    o = dtorch.ones_like(f, placements=[Replicate(), Replicate()])
+    assert torch.equal(o.to_torch(), torch.ones(3, 4))
+    assert torch.equal(dtorch.full_like(f, 2).to_torch(), torch.full((3, 4), 2.0))
+
+
+@pytest.mark.parametrize("placements", [[Shard(0), Shard(1)], [Replicate(), Replicate()],
+                                        [Shard(1), Partial()], [Shard(0), Shard(0)]], ids=str)
+@pytest.mark.parametrize("name", ["rand", "randn"])
+def test_random_values_do_not_depend_on_placements(mesh2d, name, placements):
+    dtorch.manual_seed(1234)
+    d = getattr(dtorch, name)(5, 7, device_mesh=mesh2d, placements=placements)
+    d2 = getattr(dtorch, name)(3, device_mesh=mesh2d)
+    torch.manual_seed(1234)
+    assert torch.equal(d.to_torch(), getattr(torch, name)(5, 7))
+    assert torch.equal(d2.to_torch(), getattr(torch, name)(3))
+
+
+def test_randint_matches_torch(mesh1d):
+    dtorch.manual_seed(7)
+    d = dtorch.randint(3, 10, (6, 2), device_mesh=mesh1d, placements=[Shard(0)])
+    torch.manual_seed(7)
+    assert torch.equal(d.to_torch(), torch.randint(3, 10, (6, 2)))
+
+
+def test_random_on_sub_mesh_keeps_generators_in_step(live):
+    sub = DeviceMesh("cpu", [2, 3])
+    dtorch.manual_seed(5)
+    a = dtorch.randn(4, device_mesh=sub, placements=[Shard(0)])
+    b = dtorch.randn(4, device_mesh=init_device_mesh("cpu", 4), placements=[Shard(0)])
+    torch.manual_seed(5)
+    assert torch.equal(a.to_torch(), torch.randn(4))
+    assert torch.equal(b.to_torch(), torch.randn(4))
+
+
+def test_default_mesh_is_one_rank(live):
+    x = dtorch.ones(2, 3)
+    assert x.device_mesh == DeviceMesh("cpu", [0]) and x.placements == (Replicate(),)
+    with dtorch.Graph.default_graph().device_mesh_guard(DeviceMesh("cpu", [1, 3])):
+        y = dtorch.zeros(4, placements=[Shard(0)])
+    assert y.device_mesh.ranks == (1, 3)
+    assert y.local_shapes() == {1: (2,), 3: (2,)}
+    assert torch.equal(y.to_torch(), torch.zeros(4))
+
+
+def test_sub_mesh_tensor_on_bigger_cluster(live):
+    sub = DeviceMesh("cpu", [[3], [1]], mesh_dim_names=["a", "b"])
+    value = torch.arange(6.).reshape(3, 2)
+    d = dtorch.tensor(value, device_mesh=sub, placements=[Shard(0), Replicate()])
+    assert d.local_shapes() == {3: (2, 2), 1: (1, 2)}
+    assert torch.equal(d.to_local(1), value[2:])
+    r = d.redistribute(placements=[Replicate(), Replicate()])
+    assert torch.equal(r.to_local(1), value)
+
+
+def test_scalar_values_and_conversions(mesh1d):
+    s = dtorch.tensor(3.5, device_mesh=mesh1d)
+    assert s.item() == 3.5 and float(s) == 3.5 and bool(s)
+    v = dtorch.tensor([1, 2, 3], device_mesh=mesh1d, placements=[Shard(0)])
+    assert v.tolist() == [1, 2, 3] and v.numpy().tolist() == [1, 2, 3] and len(v) == 3
+
+
+def test_repr_shows_metadata_and_values(mesh1d):
+    d = dtorch.tensor(torch.arange(4.), device_mesh=mesh1d, placements=[Shard(0)])
+    text = repr(d)
+    assert "shape=(4,)" in text and "placements=[S(0)]" in text and "tensor([0., 1., 2., 3.])" in text
+
+
+def test_tensor_future_get_wait_callback_and_await(mesh1d):
+    d = dtorch.tensor(torch.arange(8.), device_mesh=mesh1d, placements=[Shard(0)])
+    fut = d.to_torch_async()
+    assert fut.wait(timeout=30) is fut and fut.is_ready()
+    assert torch.equal(fut.get(), torch.arange(8.))
+    called = threading.Event()
+    seen = []
+    fut2 = d.to_torch_async()
+    fut2.add_done_callback(lambda f: (seen.append(f.get()), called.set()))
+    assert called.wait(30) and torch.equal(seen[0], torch.arange(8.))
+
+    async def main():
+        return await d.to_torch_async()
+
+    assert torch.equal(asyncio.run(main()), torch.arange(8.))
+
+
+def test_dtypes_are_torch_dtypes():
+    assert dtorch.float32 is torch.float32 and dtorch.int64 is torch.int64
+
+
+def test_cluster_info_and_synchronize(live):
+    info = dtorch.cluster_info()
+    assert info["ranks"] == 4 and info["backend"] == "gloo"
+    assert sorted(info["workers"]) == [0, 1, 2, 3]
+    assert all(a.startswith("tcp://127.0.0.1:") for a in info["workers"].values())
+    dtorch.synchronize()
