@@ -161,6 +161,8 @@ class Interpreter:
     def _resolve(self, obj):
         if isinstance(obj, m.Ref):
             return self.store[obj.tid]
+        if isinstance(obj, m.Coord):
+            return obj.mesh.get_coordinate(self.rank)
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
             return type(obj)(self._resolve(x) for x in obj)
         if isinstance(obj, dict):

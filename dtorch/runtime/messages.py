@@ -18,6 +18,13 @@ class Ref(NamedTuple):
     tid: int
 
 
+class Coord(NamedTuple):
+    """A placeholder in op arguments for this rank's coordinate in ``mesh`` (per-rank args:
+    a kernel that needs to know which block it holds takes a ``Coord`` argument)."""
+
+    mesh: Any
+
+
 class SetupMesh(NamedTuple):
     """Every rank creates the process groups of these rank tuples, in this order."""
 
