@@ -135,9 +135,9 @@ class DeviceMesh:
     def mesh_dim_names(self) -> tuple[str, ...] | None:
         return self._names
 
-    @cached_property
+    @property
     def mesh_list(self) -> list:
-        """The rank grid as a nested list."""
+        """The rank grid as a nested list (a fresh copy each time)."""
         out: list = list(self._ranks)
         for n in reversed(self._shape[1:]):
             out = [out[i:i + n] for i in range(0, len(out), n)]

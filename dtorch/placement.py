@@ -13,6 +13,7 @@ partial value that reduces (sum / avg / max / min) to the whole. Example::
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from .errors import PlacementValueError
@@ -42,9 +43,15 @@ class Shard(Placement):
     dim: int
 
     def __post_init__(self):
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+        try:
+            if isinstance(self.dim, bool):
+                raise TypeError
+            dim = operator.index(self.dim)  # numpy and torch ints too
+        except TypeError:
             raise PlacementValueError(
-                f"Shard(dim) needs an int tensor dim, got {self.dim!r}; pass e.g. Shard(0)")
+                f"Shard(dim) needs an int tensor dim, got {self.dim!r}; pass e.g. Shard(0)"
+            ) from None
+        object.__setattr__(self, "dim", dim)
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or self.dim == dim

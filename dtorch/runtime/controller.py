@@ -119,7 +119,7 @@ class Controller:
             for info in self.ranks:
                 mine = staged.get(info.rank)
                 blob = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL) if mine else None
-                info.actor.submit(seq, payload, blob)
+                self._call(info.rank, "submit", seq, payload, blob)
 
     # answers ---------------------------------------------------------------------------------
     def request(self, make, ranks) -> dict:
@@ -127,7 +127,14 @@ class Controller:
         req = next(self._reqs)
         self.issue(make(req))
         self.flush()
-        return {r: self.ranks[r].actor.answer(req) for r in ranks}
+        return {r: self._call(r, "answer", req) for r in ranks}
+
+    def _call(self, rank: int, method: str, *args):
+        """Call an actor method; a rank whose worker is gone raises WorkerLostError."""
+        try:
+            return getattr(self.ranks[rank].actor, method)(*args)
+        except RuntimeError as exc:  # Dask: "Worker holding Actor was lost"
+            raise self._lost(rank, exc) from exc
 
     def wait(self, futures: dict, timeout: float | None = None) -> dict:
         """Wait for answers, checking every ``poll_s`` that the ranks' workers are alive."""
@@ -187,7 +194,7 @@ class Controller:
 
     def stats(self) -> list[dict]:
         self.flush()
-        return [info.actor.stats().result() for info in self.ranks]
+        return [self._call(info.rank, "stats").result() for info in self.ranks]
 
     def _check_open(self) -> None:
         if self.closed:

@@ -1,0 +1,144 @@
+"""Failure paths: remote errors, bad input caught on the controller, a dead worker, restart."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
+from dtorch.runtime import session
+
+
+def stream_position():
+    c = session.get_controller()
+    return c._seq, len(c._pending)
+
+
+def complex_max_partial(mesh):
+    """A real op gloo cannot run: MAX over complex numbers fails inside every rank."""
+    parts = [torch.ones(2, dtype=torch.complex64)] * mesh.size()
+    return dtorch.from_local(parts, mesh, [Partial("max")]).redistribute(placements=[Replicate()])
+
+
+def test_remote_error_reaches_value_read_with_rank_and_traceback(mesh1d):
+    bad = complex_max_partial(mesh1d)
+    with pytest.raises(dtorch.RemoteError) as info:
+        bad.to_torch()
+    text = str(info.value)
+    assert "rank " in text and "remote traceback" in text and "redistribute" in text
+    with pytest.raises(dtorch.RemoteError):  # reading it again raises again
+        bad.to_local(2)
+    with pytest.raises(dtorch.RemoteError):  # and synchronize reports what the ranks hit
+        dtorch.synchronize()
+    dtorch.synchronize()  # reported once: the cluster is clean and usable again
+    ok = dtorch.tensor(torch.arange(4.), device_mesh=mesh1d, placements=[Shard(0)])
+    assert torch.equal(ok.redistribute(placements=[Replicate()]).to_torch(), torch.arange(4.))
+
+
+def test_poisoned_inputs_poison_outputs_but_peers_finish(mesh1d):
+    bad = complex_max_partial(mesh1d)
+    later = bad.redistribute(placements=[Shard(0)])  # ranks run the slice on poisoned input
+    again = later.redistribute(placements=[Replicate()])  # a collective on poisoned shards
+    with pytest.raises(dtorch.RemoteError, match="MAX|max|complex"):
+        again.to_torch()
+    with pytest.raises(dtorch.RemoteError):
+        dtorch.synchronize()
+    good = dtorch.ones(4, device_mesh=mesh1d, placements=[Shard(0)])
+    assert good.redistribute(placements=[Replicate()]).to_torch().tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda: dtorch.zeros(4, device_mesh=DeviceMesh("cpu", [0, 1, 2, 3, 4, 5])),
+     dtorch.ClusterError, "cluster has 4 ranks"),
+    (lambda: dtorch.zeros(4, device_mesh=init_device_mesh("cpu", 4),
+                          placements=[Shard(0), Shard(0)]),
+     dtorch.PlacementValueError, "one placement per mesh dim"),
+    (lambda: dtorch.zeros(4, 4, device_mesh=init_device_mesh("cpu", 4), placements=[Shard(2)]),
+     dtorch.PlacementValueError, "out of range"),
+    (lambda: dtorch.tensor(torch.ones(3), device_mesh=init_device_mesh("cpu", 4),
+                           placements=[Partial("mean")]),
+     dtorch.PlacementValueError, "sum, avg, max, min"),
+    (lambda: dtorch.zeros(4, device_mesh=DeviceMesh("cuda", [0, 1])),
+     dtorch.ClusterError, "device_type='cpu'"),
+    (lambda: dtorch.zeros(2, 2, device_mesh=init_device_mesh("cpu", (2, 2), ("a", "b")))
+     .check_placement("tp", Replicate()), dtorch.MeshError, "no dim named 'tp'"),
+    (lambda: dtorch.zeros(6, device_mesh=init_device_mesh("cpu", 4), placements=[Shard(0)])
+     .redistribute(device_mesh=init_device_mesh("cpu", (2, 2))), dtorch.PlacementValueError,
+     "same shape"),
+], ids=["mesh-too-big", "placement-count", "shard-dim", "reduce-op", "device-type",
+        "mesh-dim-name", "mesh-shape"])
+def test_bad_input_raises_before_anything_is_sent(live, make, error, words):
+    dtorch.synchronize()
+    before = stream_position()
+    with pytest.raises(error, match=words):
+        make()
+    seq, pending = stream_position()
+    # building a valid tensor on the way may queue instructions; none for the bad call itself
+    assert seq == before[0]
+
+
+def test_freed_and_stale_tensors_raise(live):
+    x = dtorch.ones(2)
+    moved = dtorch.Tensor(torch.ones(2))
+    assert torch.equal(moved.to_torch(), torch.ones(2))
+    other = dtorch.tensor(torch.ones(2))
+    holder = dtorch.Tensor.__new__(dtorch.Tensor)
+    holder._adopt(other)
+    with pytest.raises(dtorch.FreedTensorError, match="freed"):
+        other.to_torch()
+    assert torch.equal(holder.to_torch(), torch.ones(2))
+    assert x.to_torch().tolist() == [1.0, 1.0]
+
+
+def test_dropped_tensors_free_worker_memory(mesh2d):
+    c = session.get_controller()
+    dtorch.synchronize()
+    base = c.stats()
+    for i in range(2000):
+        t = dtorch.randn(64, 64, device_mesh=mesh2d, placements=[Shard(0), Shard(1)])
+        u = t.redistribute(placements=[Replicate(), Shard(0)])
+        del t, u
+    dtorch.synchronize()
+    after = c.stats()
+    assert [s["tensors"] for s in after] == [s["tensors"] for s in base]
+    assert [s["bytes"] for s in after] == [s["bytes"] for s in base]
+    grown = max(a["rss"] - b["rss"] for a, b in zip(after, base))
+    assert grown < 64 * 2**20, f"a worker's memory grew by {grown / 2**20:.1f} MiB"
+
+
+def test_init_with_other_size_while_tensors_alive_raises(live):
+    keep = dtorch.ones(2)
+    with pytest.raises(dtorch.ClusterError, match="DTensors alive"):
+        dtorch.init(n_workers=2)
+    assert dtorch.init() is live
+    del keep
+
+
+async def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_dead_worker_is_reported_within_seconds_and_restart_recovers(mesh1d):
+    """Runs last in this module: it kills a rank, then restarts the session cluster."""
+    x = dtorch.tensor(torch.arange(8.), device_mesh=mesh1d, placements=[Shard(0)])
+    dtorch.synchronize()
+    c = session.get_controller()
+    victim = c.ranks[3].address
+    c.client.run(_die, workers=[victim], wait=False)
+    time.sleep(0.5)
+    start = time.monotonic()
+    with pytest.raises(dtorch.WorkerLostError, match="rank 3"):
+        x.redistribute(placements=[Replicate()]).to_torch()  # peers block in all_gather
+    assert time.monotonic() - start < 15
+    with pytest.raises((dtorch.ClusterError, dtorch.FreedTensorError)):
+        x.to_torch()
+    dtorch.restart()
+    assert dtorch.cluster_info()["ranks"] == 4
+    with pytest.raises(dtorch.FreedTensorError, match="restarted"):
+        x.to_torch()
+    y = dtorch.tensor(torch.arange(8.), device_mesh=init_device_mesh("cpu", 4),
+                      placements=[Shard(0)])
+    assert torch.equal(y.redistribute(placements=[Replicate()]).to_torch(), torch.arange(8.))
