@@ -9,7 +9,6 @@ host runs the torch.distributed rendezvous. Example::
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import socket
@@ -84,9 +83,8 @@ def _rank_nanny_class():
 def start_local_cluster(n_workers: int, **dask_kwargs):
     """A LocalCluster of ``n_workers`` processes with one thread each, on 127.0.0.1."""
     from distributed import Client, LocalCluster
-    has_bokeh = importlib.util.find_spec("bokeh") is not None
     options = dict(n_workers=n_workers, threads_per_worker=1, processes=True,
-                   host="127.0.0.1", dashboard_address="127.0.0.1:0" if has_bokeh else None,
+                   host="127.0.0.1", dashboard_address="127.0.0.1:0",
                    silence_logs=logging.WARNING, worker_class=_rank_nanny_class())
     options.update(dask_kwargs)
     with main_module_hidden():

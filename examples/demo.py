@@ -1,0 +1,79 @@
+"""The dtorch demo: seed 004's example and seed 002's walk-through on the embedded cluster.
+
+Run with `make demo` (or `python examples/demo.py`). One Python thread drives 4 worker
+processes; no torchrun, no process groups in this file.
+"""
+
+import torch
+
+import dtorch
+from dtorch import Partial, Replicate, Shard, init_device_mesh
+
+
+def show_counts(label, mode):
+    counts = mode.get_comm_counts()
+    text = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "nothing moved"
+    print(f"  {label:<24} {text}")
+
+
+def seed_004_example():
+    print("== Seed 004: shard a tensor across two ranks, then print it ==")
+    mesh = dtorch.DeviceMesh("cpu", [0, 1])
+    dtorch.manual_seed(0)
+    x = dtorch.rand((4, 3), device_mesh=mesh, placements=[dtorch.Shard(0)])
+    print(f"{x=}")
+    print("  local shapes:", x.local_shapes())
+
+
+def seed_002_walkthrough():
+    print("\n== Seed 002: mesh, placements, and the collective each change implies ==")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    print("mesh:", mesh)
+    print("mesh shape:", mesh.shape, "dim names:", mesh.mesh_dim_names)
+    big = torch.arange(16.).reshape(4, 4)
+    d = dtorch.distribute_tensor(big, mesh, [Shard(0), Shard(1)])
+    for rank in range(4):
+        local = d.to_local(rank)
+        print(f"rank {rank}: global {tuple(d.shape)} local {tuple(local.shape)} "
+              f"{local.flatten().tolist()}")
+    print("placements:", d.placements)
+
+    print("\nFour transitions on a 1-D mesh of four:")
+    line = init_device_mesh("cpu", 4)
+    sharded = dtorch.distribute_tensor(big, line, [Shard(0)])
+    with dtorch.CommDebugMode() as m1:
+        r = sharded.redistribute(line, [Replicate()])
+    show_counts("Shard(0) -> Replicate", m1)
+    with dtorch.CommDebugMode() as m2:
+        s = r.redistribute(line, [Shard(0)])
+    show_counts("Replicate -> Shard(0)", m2)
+    with dtorch.CommDebugMode() as m3:
+        s1 = s.redistribute(line, [Shard(1)])
+    show_counts("Shard(0) -> Shard(1)", m3)
+    partial = dtorch.from_local([big / 4] * 4, line, [Partial()])
+    with dtorch.CommDebugMode() as m4:
+        full = partial.redistribute(line, [Replicate()])
+    show_counts("Partial -> Replicate", m4)
+    assert torch.equal(s1.to_torch(), big) and torch.equal(full.to_torch(), big)
+    print("  Sharding a replicated tensor is free. Replicating a sharded one is an all-gather.")
+
+    print("\nUneven shards (seed 001): [4, 11] with Shard(1) on 4 ranks")
+    x = dtorch.randn(4, 11, device_mesh=line, placements=[Shard(1)])
+    print("  local shapes:", x.local_shapes())
+    with dtorch.CommDebugMode() as m5:
+        x_r = x.redistribute(line, [Replicate()])
+    show_counts("Shard(1) -> Replicate", m5)
+    print("  rank 3 now holds", tuple(x_r.to_local(3).shape))
+
+
+def main():
+    dtorch.init()
+    print("cluster:", {k: v for k, v in dtorch.cluster_info().items()
+                       if k in ("ranks", "backend", "workers")})
+    seed_004_example()
+    seed_002_walkthrough()
+    dtorch.shutdown()
+
+
+if __name__ == "__main__":
+    main()
