@@ -1,5 +1,6 @@
 """Failure paths: remote errors, bad input caught on the controller, a dead worker, restart."""
 
+import gc
 import os
 import signal
 import time
@@ -95,16 +96,18 @@ def test_freed_and_stale_tensors_raise(live):
 
 def test_dropped_tensors_free_worker_memory(mesh2d):
     c = session.get_controller()
+    gc.collect()  # tensors earlier tests dropped are freed with the next batch
     dtorch.synchronize()
     base = c.stats()
     for i in range(2000):
         t = dtorch.randn(64, 64, device_mesh=mesh2d, placements=[Shard(0), Shard(1)])
         u = t.redistribute(placements=[Replicate(), Shard(0)])
         del t, u
+    gc.collect()
     dtorch.synchronize()
     after = c.stats()
-    assert [s["tensors"] for s in after] == [s["tensors"] for s in base]
-    assert [s["bytes"] for s in after] == [s["bytes"] for s in base]
+    assert all(a["tensors"] <= b["tensors"] for a, b in zip(after, base)), (after, base)
+    assert all(a["bytes"] <= b["bytes"] for a, b in zip(after, base)), (after, base)
     grown = max(a["rss"] - b["rss"] for a, b in zip(after, base))
     assert grown < 64 * 2**20, f"a worker's memory grew by {grown / 2**20:.1f} MiB"
 

@@ -25,6 +25,19 @@ from . import messages as m
 _controller: Controller | None = None
 _init_args: dict | None = None
 
+# Callbacks ``hook(event, info)`` told about cluster starts (the Jupyter kernel's progress
+# display and worker-output forwarding): "starting" (info: n_workers, address, device_type),
+# then "ready" (info: controller, seconds) or "failed" (info: error). A hook never breaks init.
+start_hooks: list = []
+
+
+def _notify(event: str, **info) -> None:
+    for hook in list(start_hooks):
+        try:
+            hook(event, info)
+        except Exception:  # noqa: BLE001 - a display problem must not stop the cluster
+            pass
+
 
 def _collective_timeout() -> float:
     return float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "60"))
@@ -50,8 +63,15 @@ def init(n_workers: int | None = None, address: str | None = None, device_type: 
                 f"{_controller.live_tensors} DTensors alive; delete them or call "
                 f"dtorch.shutdown() before dtorch.init(...) with a different cluster")
         shutdown()
-    _controller = _start(n_workers, address, device_type, dask_kwargs)
+    started = time.monotonic()
+    _notify("starting", n_workers=n_workers, address=address, device_type=device_type)
+    try:
+        _controller = _start(n_workers, address, device_type, dask_kwargs)
+    except BaseException as exc:
+        _notify("failed", error=exc)
+        raise
     _init_args = args
+    _notify("ready", controller=_controller, seconds=time.monotonic() - started)
     return _controller
 
 
