@@ -28,6 +28,7 @@ class RankInfo(NamedTuple):
     host: str
     actor: object
     future: object
+    device: str = "cpu"
 
 
 def _free_port() -> int:
@@ -131,12 +132,13 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
     world = len(workers)
     master = _host(workers[0])
     port = client.run(_free_port, workers=[workers[0]])[workers[0]]
+    devices = _devices(workers, backend)
     futures = [client.submit(RankActor, rank, world, master, port, backend, timeout_s, seed,
-                             num_threads, actor=True, workers=[addr], allow_other_workers=False,
+                             num_threads, devices[rank], actor=True, workers=[addr], allow_other_workers=False,
                              pure=False, key=f"dtorch-rank-{rank}-{time.time_ns()}")
                for rank, addr in enumerate(workers)]
     actors = [f.result(timeout=120) for f in futures]
-    ranks = [RankInfo(r, a, _host(a), actor, fut)
+    ranks = [RankInfo(r, a, _host(a), actor, fut, devices[r])
              for r, (a, actor, fut) in enumerate(zip(workers, actors, futures))]
     with client.as_current():  # binds each actor handle to this (non-default) client
         readies = [ri.actor.ready() for ri in ranks]
@@ -145,6 +147,19 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
         raise ClusterError("torch.distributed could not start on every rank:\n" +
                            "\n".join(f"rank {f.rank}: {f.message}" for f in failures))
     return ranks
+
+
+def _devices(workers: list[str], backend: str) -> list[str]:
+    """``cpu`` for gloo; for nccl, the i-th worker on a host drives that host's GPU i."""
+    if backend != "nccl":
+        return ["cpu"] * len(workers)
+    seen: dict[str, int] = {}
+    out = []
+    for addr in workers:
+        host = _host(addr)
+        out.append(f"cuda:{seen.get(host, 0)}")
+        seen[host] = seen.get(host, 0) + 1
+    return out
 
 
 def local_threads(n_workers: int) -> int:

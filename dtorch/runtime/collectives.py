@@ -35,6 +35,7 @@ class StepContext(NamedTuple):
     mesh: DeviceMesh
     dst_mesh: DeviceMesh | None
     group_of: Callable[[tuple[int, ...]], object]
+    device: torch.device = torch.device("cpu")
 
 
 def _my_group(step, rank: int) -> tuple[int, ...]:
@@ -157,17 +158,17 @@ def send_recv(step, local, ctx, poisoned: bool = False):
     ops, received, flag_in = [], None, None
     for src, dst in step.groups:
         if src == ctx.rank:
-            ops.append(dist.P2POp(dist.isend, torch.tensor([int(poisoned)], dtype=torch.uint8),
-                                  dst))
+            flag = torch.tensor([int(poisoned)], dtype=torch.uint8, device=ctx.device)
+            ops.append(dist.P2POp(dist.isend, flag, dst))
             if local.numel():
                 ops.append(dist.P2POp(dist.isend, _wire(local).contiguous(), dst))
         if dst == ctx.rank:
-            flag_in = torch.zeros(1, dtype=torch.uint8)
+            flag_in = torch.zeros(1, dtype=torch.uint8, device=ctx.device)
             ops.append(dist.P2POp(dist.irecv, flag_in, src))
             coord = ctx.dst_mesh.get_coordinate(dst)
             shape = local_shape(ctx.shape, ctx.dst_mesh, step.after, coord)
             wire_dtype = torch.uint8 if ctx.dtype == torch.bool else ctx.dtype
-            received = torch.empty(shape, dtype=wire_dtype)
+            received = torch.empty(shape, dtype=wire_dtype, device=ctx.device)
             if received.numel():
                 ops.append(dist.P2POp(dist.irecv, received, src))
     if ops:

@@ -61,8 +61,10 @@ class Interpreter:
     """One rank's store and instruction loop body."""
 
     def __init__(self, rank: int, group_of: Callable[[tuple[int, ...]], object],
-                 make_groups: Callable[[tuple, str], None] | None = None, seed: int = 0):
+                 make_groups: Callable[[tuple, str], None] | None = None, seed: int = 0,
+                 device: str = "cpu"):
         self.rank = rank
+        self.device = torch.device(device)
         self.store: dict[int, torch.Tensor | Poison] = {}
         self.errors: list[RemoteFailure] = []
         self.counts: Counter = Counter()
@@ -113,19 +115,19 @@ class Interpreter:
                 return None
             shape = layout.local_shape(instr.shape, instr.mesh, instr.placements, coord)
             if not layout.holds_value(instr.mesh, instr.placements, coord):
-                return torch.zeros(shape, dtype=instr.dtype)
+                return torch.zeros(shape, dtype=instr.dtype, device=self.device)
             if instr.fn == "full":
-                return torch.full(shape, instr.args[0], dtype=instr.dtype)
-            return _DETERMINISTIC[instr.fn](shape, dtype=instr.dtype)
+                return torch.full(shape, instr.args[0], dtype=instr.dtype, device=self.device)
+            return _DETERMINISTIC[instr.fn](shape, dtype=instr.dtype, device=self.device)
         full = _global_factory(instr.fn, instr.args, instr.kwargs, instr.shape, instr.dtype,
                                self.gen)
         if not member:
             return None
-        return layout.shard_of(full, instr.mesh, instr.placements, coord)
+        return layout.shard_of(full, instr.mesh, instr.placements, coord).to(self.device)
 
     def _load(self, instr: m.Load):
         if self.rank in instr.ranks:
-            self.store[instr.tid] = self._staged[instr.tid]
+            self.store[instr.tid] = self._staged[instr.tid].to(self.device)
 
     def _redistribute(self, instr: m.Redistribute):
         if self.rank not in instr.ranks:
@@ -138,9 +140,9 @@ class Interpreter:
                 poison = self._fail("redistribute", KeyError(f"tensor {instr.src} not found"))
             value = torch.zeros(layout.local_shape(instr.shape, instr.mesh,
                                                    instr.steps[0].before, coord),
-                                dtype=instr.dtype)
+                                dtype=instr.dtype, device=self.device)
         ctx = StepContext(self.rank, instr.shape, instr.dtype, instr.mesh,
-                          instr.dst_mesh or instr.mesh, self.group_of)
+                          instr.dst_mesh or instr.mesh, self.group_of, self.device)
         try:
             for step in instr.steps:
                 if step.kind == "send_recv":
@@ -193,7 +195,7 @@ class Interpreter:
             return instr.req, ("err", RemoteFailure(self.rank, "fetch", "tensor not found", ""))
         if isinstance(value, Poison):
             return instr.req, ("err", value.failure)
-        return instr.req, ("ok", value)
+        return instr.req, ("ok", value.cpu())
 
     def _sync(self, instr: m.Sync):
         errors, self.errors = self.errors, []

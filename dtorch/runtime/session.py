@@ -151,7 +151,7 @@ def cluster_info() -> dict:
     link = getattr(c.client, "dashboard_link", None) if c.cluster is not None else None
     return {"ranks": c.world, "backend": c.backend, "device_type": c.device_type,
             "workers": {info.rank: info.address for info in c.ranks},
-            "devices": {info.rank: c.device_type for info in c.ranks},
+            "devices": {info.rank: info.device for info in c.ranks},
             "scheduler": c.client.scheduler.address, "dashboard": link,
             "embedded": c.cluster is not None, "live_tensors": c.live_tensors}
 

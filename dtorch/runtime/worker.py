@@ -29,7 +29,7 @@ class RankActor:
 
     def __init__(self, rank: int, world: int, master_addr: str, master_port: int,
                  backend: str = "gloo", timeout_s: float = 60.0, seed: int = 0,
-                 num_threads: int | None = None):
+                 num_threads: int | None = None, device: str = "cpu"):
         self.rank, self.world = rank, world
         self._inbox: dict[int, tuple] = {}
         self._next_seq = 0
@@ -40,7 +40,8 @@ class RankActor:
         self._init_error: RemoteFailure | None = None
         self._ready = threading.Event()
         self._groups: dict[tuple[int, ...], object] = {}
-        self.interp = Interpreter(rank, self._group_of, self._make_groups, seed)
+        self.device = device
+        self.interp = Interpreter(rank, self._group_of, self._make_groups, seed, device)
         args = (master_addr, master_port, backend, timeout_s, num_threads)
         self._thread = threading.Thread(target=self._run, args=args, daemon=True,
                                         name=f"dtorch-rank-{rank}")
@@ -110,6 +111,8 @@ class RankActor:
         if num_threads:
             torch.set_num_threads(num_threads)
         try:
+            if self.device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(self.device))
             if master_addr.startswith("127.") or master_addr == "localhost":
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
