@@ -14,6 +14,7 @@ of a notebook cell, or on ``synchronize()``. Example::
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import pickle
 import threading
 import time
@@ -52,7 +53,7 @@ class Controller:
         self.closed = False
         self._pending: list = []
         self._staged: dict[int, dict] = {}
-        self._freed: list[int] = []
+        self._freed: deque[int] = deque()  # appended from __del__, drained by flush
         self._seq = 0
         self._tids = itertools.count(1)
         self._reqs = itertools.count(1)
@@ -107,7 +108,9 @@ class Controller:
         """Ship everything pending as one batch to every rank."""
         with self._lock:
             if self._freed:
-                freed, self._freed = self._freed, []
+                freed = []
+                while self._freed:
+                    freed.append(self._freed.popleft())
                 self._pending.append(m.Free(tuple(freed)))
             if not self._pending:
                 return
