@@ -1,0 +1,90 @@
+"""The per-cell collective summary: one text line and a small HTML table.
+
+Rows group a cell's CommRecords by (kind, mesh dim), in order of first appearance. The text
+form is what ``text/plain`` frontends and saved notebooks show. Example::
+
+    >>> from dtorch.comm_debug import CommRecord
+    >>> g = ((0, 1, 2, 3),)
+    >>> summary_text([CommRecord("all_gather", 0, None, g, 256)])
+    'dtorch: all_gather x1 (dim 0, 256 B/rank)'
+    >>> recs = [CommRecord("all_reduce", 1, "tp", ((0, 1), (2, 3)), 64, "sum")] * 2
+    >>> summary_text(recs + [CommRecord("all_to_all", 0, "dp", ((0, 2), (1, 3)), 2048)])
+    'dtorch: 3 collectives: all_reduce x2 (dim tp, 128 B/rank); all_to_all x1 (dim dp, 2.0 KiB/rank)'
+    >>> summary_text([])
+    ''
+"""
+
+from __future__ import annotations
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+TITLE = "dtorch: collectives issued by this cell"
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes in B / KiB / MiB / GiB.
+
+    >>> fmt_bytes(16), fmt_bytes(1536)
+    ('16 B', '1.5 KiB')
+    """
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def dim_text(rec) -> str:
+    """``dim tp`` for a named mesh dim, ``dim 0`` otherwise (``-`` when none)."""
+    if rec.mesh_dim_name is not None:
+        return f"dim {rec.mesh_dim_name}"
+    if rec.mesh_dim is None or rec.mesh_dim < 0:
+        return "-"
+    return f"dim {rec.mesh_dim}"
+
+
+def rows(records) -> list[tuple[str, str, int, int]]:
+    """``(kind, dim text, count, bytes per rank)`` per kind and mesh dim."""
+    out: dict[tuple[str, str], list[int]] = {}
+    for rec in records:
+        row = out.setdefault((rec.kind, dim_text(rec)), [0, 0])
+        row[0] += 1
+        row[1] += rec.bytes_per_rank
+    return [(k, d, c, b) for (k, d), (c, b) in out.items()]
+
+
+def summary_text(records) -> str:
+    """One line naming each collective kind, its count, mesh dim and bytes per rank."""
+    records = list(records)
+    if not records:
+        return ""
+    parts = [f"{kind} x{count} ({dim}, {fmt_bytes(nbytes)}/rank)"
+             for kind, dim, count, nbytes in rows(records)]
+    head = "dtorch: " if len(records) == 1 else f"dtorch: {len(records)} collectives: "
+    return head + "; ".join(parts)
+
+
+def summary_metadata(records) -> dict:
+    """Display metadata that lets tools find the summary and read its counts.
+
+    >>> from dtorch.comm_debug import CommRecord
+    >>> summary_metadata([CommRecord("all_gather", 0, None, ((0, 1),), 8)])["dtorch"]["counts"]
+    {'all_gather': 1}
+    """
+    counts: dict[str, int] = {}
+    for rec in records:
+        counts[rec.kind] = counts.get(rec.kind, 0) + 1
+    return {"dtorch": {"cell_collectives": True, "counts": counts,
+                       "rows": [list(r) for r in rows(records)]}}
+
+
+def summary_bundle(records, title: str = TITLE) -> dict:
+    """The mime bundle the kernel displays: the static table of ``dtorch_widgets`` as
+    ``text/html`` (no widget: a cell summary must stay light) and the line as ``text/plain``."""
+    records = list(records)
+    data = {}
+    try:
+        from dtorch_widgets import comm_mimebundle
+        data = comm_mimebundle(records, title, exclude={WIDGET_MIME})
+    except Exception:  # noqa: BLE001 - the text line is enough
+        data = {}
+    data["text/plain"] = summary_text(records)
+    return data
