@@ -18,7 +18,6 @@ The same per-cell behaviour is available in any IPython session or plain ipykern
 - :mod:`dtorch_kernel.magics` - ``%dtorch``
 - :mod:`dtorch_kernel.progress` - the cluster start-up progress display
 - :mod:`dtorch_kernel.worker_output` - worker stdout/stderr forwarded to the notebook
-- :mod:`dtorch_kernel.interrupt` - interrupts never split a batch between ranks
 - :mod:`dtorch_kernel.install` - the kernelspec and ``python -m dtorch_kernel install``
 
 This package imports nothing heavy at import time: worker processes import

@@ -1,7 +1,8 @@
 """What the kernel does around every cell.
 
 Before the cell (IPython's ``pre_run_cell`` event): open a :class:`dtorch.comm_debug.CommLedger`
-for it and install the :class:`~dtorch_kernel.interrupt.InterruptGuard`.
+for it. (A SIGINT never splits a batch between ranks: ``Controller.flush`` holds it until the
+batch went to every rank, see :mod:`dtorch.runtime.interrupts`.)
 
 After the cell (``post_run_cell``, which ipykernel triggers before it builds the reply):
 
@@ -27,7 +28,6 @@ from dtorch import comm_debug
 from dtorch.errors import DTorchError
 from dtorch.runtime import session
 
-from .interrupt import InterruptGuard
 from .summary import summary_bundle, summary_metadata
 
 
@@ -47,7 +47,6 @@ class CellReport:
         self.shell = shell
         self.forwarder = forwarder
         self.counts_enabled = True
-        self.guard = InterruptGuard()
         self.last_records: list = []
         self._ledger: comm_debug.CommLedger | None = None
         self._before = (None, None)
@@ -76,19 +75,12 @@ class CellReport:
         self._before = (c, _shipped(c))
         if self.forwarder is not None:  # worker output arriving from now on is this cell's
             self.forwarder.parent = getattr(self.shell, "parent_header", None)
-        self.guard.install()
 
     def post_run_cell(self, result) -> None:
         ledger = self._close_ledger()
         records = list(ledger.records) if ledger is not None else []
         self.last_records = records
-        error = None
-        try:
-            error = self._finish_work(result)
-        finally:
-            if self.guard.uninstall() and error_of(result) is None:
-                error = KeyboardInterrupt("interrupted while sending work to the ranks; the "
-                                          "work was sent to every rank")
+        error = self._finish_work(result)
         if records and self.counts_enabled:
             self._display(records)
         if error is not None:

@@ -35,9 +35,9 @@ class KernelState:
             self.attach(info["controller"])
 
     def attach(self, controller) -> None:
-        """Ranks ignore SIGINT (a cell interrupt is for the controller) and forward output."""
-        from .worker_signals import protect_from_interrupts
-        for step in (protect_from_interrupts, self.forwarder.attach):
+        """Ranks forward their output to the cell (they already ignore SIGINT: the runtime
+        protects every embedded cluster's workers)."""
+        for step in (self.forwarder.attach,):
             try:
                 step(controller)
             except Exception as exc:  # noqa: BLE001 - the cluster works without them

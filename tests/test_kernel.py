@@ -6,12 +6,10 @@ Tests that need tensors run an idempotent setup cell first, so any one of them c
 """
 
 import json
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +17,6 @@ import pytest
 jupyter_client = pytest.importorskip("jupyter_client")
 
 from dtorch_kernel import install as kinstall  # noqa: E402
-from dtorch_kernel.interrupt import InterruptGuard  # noqa: E402
 from dtorch_kernel.summary import summary_text  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -355,53 +352,3 @@ def test_summary_text_format():
     assert summary_text([CommRecord("all_gather", 0, None, g, 256)]) == \
         "dtorch: all_gather x1 (dim 0, 256 B/rank)"
     assert summary_text([]) == ""
-
-
-def _fake_controller(submitted, interrupt_at_rank=0):
-    """A Controller whose 'actors' record submits; the first one raises SIGINT in the main
-    thread while flush is sending the batch."""
-    from dtorch.runtime.controller import Controller
-
-    class Actor:
-        def __init__(self, rank):
-            self.rank = rank
-
-        def submit(self, seq, payload, blob):
-            submitted.append(self.rank)
-            if self.rank == interrupt_at_rank:
-                signal.raise_signal(signal.SIGINT)
-
-    c = Controller.__new__(Controller)
-    c.closed, c._lock, c._freed, c._pending = False, threading.RLock(), deque(), ["instr"]
-    c._staged, c._seq = {}, 0
-    c.ranks = [SimpleNamespace(rank=r, actor=Actor(r), address=f"w{r}") for r in range(4)]
-    return c
-
-
-@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
-                    reason="signals need the main thread")
-def test_interrupt_inside_flush_is_held_until_every_rank_has_the_batch():
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        # without the guard a SIGINT stops flush half way: ranks 1..3 never get batch 0
-        half = []
-        with pytest.raises(KeyboardInterrupt):
-            _fake_controller(half).flush()
-        assert half == [0]
-
-        whole = []
-        guard = InterruptGuard()
-        assert guard.install()
-        started = time.monotonic()
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                _fake_controller(whole).flush()
-                time.sleep(10)  # the held interrupt arrives once flush released its lock
-        finally:
-            guard.uninstall()
-        assert whole == [0, 1, 2, 3]
-        assert guard.deferred == 1
-        assert time.monotonic() - started < 5, "the held interrupt must cut the sleep short"
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, old)

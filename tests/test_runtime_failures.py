@@ -3,6 +3,8 @@
 import gc
 import os
 import signal
+import sys
+import threading
 import time
 
 import pytest
@@ -11,6 +13,8 @@ import torch
 import dtorch
 from dtorch import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
 from dtorch.runtime import session
+from dtorch.runtime.controller import Controller
+from dtorch.runtime.interrupts import interrupts_held, sigint_handlers
 
 
 def stream_position():
@@ -118,6 +122,46 @@ def test_init_with_other_size_while_tensors_alive_raises(live):
         dtorch.init(n_workers=2)
     assert dtorch.init() is live
     del keep
+
+
+def test_interrupts_held_delivers_after_the_block():
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+            reached = True  # the SIGINT did not stop the block
+    assert reached
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signals reach the main thread only")
+def test_interrupt_while_sending_a_batch_never_splits_it(mesh1d):
+    """A real SIGINT raised at the worst moment, after rank 0 got batch N and before rank 1
+    did: flush still hands it to every rank, then raises KeyboardInterrupt; no worker dies
+    (the ranks ignore SIGINT) and the ranks agree on the next batch."""
+    c = session.get_controller()
+    assert all("SIG_IGN" in h for h in sigint_handlers(c.client).values())
+    x = dtorch.tensor(torch.arange(8.), device_mesh=mesh1d, placements=[Shard(0)])
+    dtorch.synchronize()
+    fired = []
+
+    def at_rank_1(frame, event, arg):  # a profile hook: observes, replaces nothing
+        if (event == "call" and frame.f_code is Controller._call.__code__
+                and frame.f_locals.get("rank") == 1 and not fired):
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    y = x.redistribute(placements=[Replicate()])
+    sys.setprofile(at_rank_1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            c.flush()
+    finally:
+        sys.setprofile(None)
+    assert fired
+    dtorch.synchronize(timeout=30)
+    assert {s["next_seq"] for s in c.stats()} == {c._seq}
+    assert torch.equal(y.to_torch(), torch.arange(8.))
 
 
 async def _die():

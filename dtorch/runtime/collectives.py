@@ -66,6 +66,18 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.uint8) if t.dtype == torch.bool else t
 
 
+def _wire_copy(t: torch.Tensor) -> torch.Tensor:
+    """A private copy in the wire dtype, for collectives that work in place."""
+    return t.to(torch.uint8) if t.dtype == torch.bool else t.clone()
+
+
+def _is_gloo(pg) -> bool:
+    try:
+        return dist.get_backend(pg) == "gloo"
+    except Exception:  # noqa: BLE001 - not a registered group (tests with fakes): generic path
+        return False
+
+
 def _sizes(ctx: StepContext, placements, group, dim: int) -> list[int]:
     return [local_shape(ctx.shape, ctx.mesh, placements, ctx.mesh.get_coordinate(r))[dim]
             for r in group]
@@ -95,11 +107,19 @@ def _all_to_all(step, local, ctx, group, pg):
     x = _wire(_pad(local, d_src, max(src_sizes)))
     offsets = [sum(pieces[:j]) for j in range(n)]
     slots = _slots(group)
-    inp = torch.stack([_pad(x.narrow(d_dst, offsets[c], pieces[c]), d_dst, max(pieces))
-                       for c in slots]).contiguous()
+    in_order = slots == list(range(n))
+    if d_dst == 0 and in_order and len(set(pieces)) == 1:
+        # the pieces already lie one after the other: a view, not a copy
+        inp = x.reshape((n, pieces[0]) + tuple(x.shape[1:])).contiguous()
+    else:
+        inp = torch.stack([_pad(x.narrow(d_dst, offsets[c], pieces[c]), d_dst, max(pieces))
+                           for c in slots]).contiguous()
     out = torch.empty_like(inp)
     if inp.numel():
         dist.all_to_all_single(out, inp, group=pg)
+    if d_src == 0 and in_order and len(set(src_sizes)) == 1 and pieces[me] == max(pieces):
+        # nothing to cut off and the blocks arrive in order along dim 0: the buffer is the result
+        return out.reshape((n * out.shape[1],) + tuple(out.shape[2:])).to(local.dtype)
     slot_of = {c: j for j, c in enumerate(slots)}
     parts = [out[slot_of[c]].narrow(d_src, 0, src_sizes[c]).narrow(d_dst, 0, pieces[me])
              for c in range(n)]
@@ -107,7 +127,7 @@ def _all_to_all(step, local, ctx, group, pg):
 
 
 def _all_reduce(step, local, ctx, group, pg):
-    t = _wire(local).clone()
+    t = _wire_copy(local)
     if t.numel():
         dist.all_reduce(t, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
     t = t.to(local.dtype)
@@ -118,6 +138,15 @@ def _reduce_scatter(step, local, ctx, group, pg):
     d = step.dst.dim
     n, me = len(group), group.index(ctx.rank)
     pieces = chunk_sizes(local.shape[d], n)
+    if _is_gloo(pg):
+        # gloo's reduce_scatter (torch 2.x) is itself clone + all_reduce + copy of one chunk;
+        # doing that here skips the stacked, padded copy of the whole input it would be given
+        t = _wire_copy(local)
+        if t.numel():
+            dist.all_reduce(t, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
+        t = t.narrow(d, sum(pieces[:me]), pieces[me]).clone(
+            memory_format=torch.contiguous_format).to(local.dtype)
+        return _average(t, n) if step.src.reduce_op == "avg" else t
     x = _wire(local)
     offsets = [sum(pieces[:j]) for j in range(n)]
     inp = torch.stack([_pad(x.narrow(d, offsets[c], pieces[c]), d, max(pieces))

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import ClusterError, RemoteError, WorkerLostError
 from . import messages as m
+from .interrupts import interrupts_held
 
 _generations = itertools.count(1)
 
@@ -36,6 +37,15 @@ def remote_error(failure, context: str = "") -> RemoteError:
     err = RemoteError(text)
     err.rank, err.failure = failure.rank, failure
     return err
+
+
+async def _all_done(futures) -> None:
+    """Wait until every actor future is done (their results are read afterwards)."""
+    for fut in futures:
+        try:
+            await fut
+        except Exception:  # noqa: BLE001 - Controller.wait reads each result and raises
+            pass
 
 
 class Controller:
@@ -119,10 +129,11 @@ class Controller:
             staged, self._staged = self._staged, {}
             self._pending = []
             seq, self._seq = self._seq, self._seq + 1
-            for info in self.ranks:
-                mine = staged.get(info.rank)
-                blob = pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL) if mine else None
-                self._call(info.rank, "submit", seq, payload, blob)
+            blobs = {r: pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
+                     for r, mine in staged.items() if mine}
+            with interrupts_held():  # the same batch reaches every rank, or none
+                for info in self.ranks:
+                    self._call(info.rank, "submit", seq, payload, blobs.get(info.rank))
 
     # answers ---------------------------------------------------------------------------------
     def request(self, make, ranks) -> dict:
@@ -141,19 +152,21 @@ class Controller:
 
     def wait(self, futures: dict, timeout: float | None = None) -> dict:
         """Wait for answers, checking every ``poll_s`` that the ranks' workers are alive."""
+        from distributed.utils import sync
         start = time.monotonic()
-        last_check = start
-        delay = 5e-5
-        while not all(f.done() for f in futures.values()):
-            now = time.monotonic()
-            if timeout is not None and now - start > timeout:
-                raise TimeoutError(f"no answer from ranks {sorted(r for r, f in futures.items() if not f.done())} "
-                                   f"within {timeout}s")
-            if now - last_check > self.poll_s:
+        while True:
+            pending = [f for f in futures.values() if not f.done()]
+            if not pending:
+                break
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            if left is not None and left <= 0:
+                late = sorted(r for r, f in futures.items() if not f.done())
+                raise TimeoutError(f"no answer from ranks {late} within {timeout}s")
+            try:
+                sync(self.client.loop, _all_done, pending,
+                     callback_timeout=self.poll_s if left is None else min(self.poll_s, left))
+            except TimeoutError:
                 self.check_alive([r for r, f in futures.items() if not f.done()])
-                last_check = now
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
         out = {}
         for rank, fut in futures.items():
             try:

@@ -87,7 +87,8 @@ def _start(n_workers, address, device_type, dask_kwargs) -> Controller:
     else:
         if n_workers is None:
             n_workers = _default_gpu_count() if device_type == "cuda" else config.default_workers()
-        print(f"dtorch: starting {n_workers} local workers ...", end="", flush=True)
+        if not start_hooks:  # a hook (the Jupyter kernel) shows its own progress
+            print(f"dtorch: starting {n_workers} local workers ...", end="", flush=True)
         client, cluster = start_local_cluster(n_workers, **dask_kwargs)
         workers = worker_addresses(client, n_workers)
         threads = local_threads(n_workers)
@@ -99,7 +100,7 @@ def _start(n_workers, address, device_type, dask_kwargs) -> Controller:
         if cluster is not None:
             cluster.close()
         raise
-    if address is None:
+    if address is None and not start_hooks:
         print(f" ready in {time.monotonic() - started:.1f}s", flush=True)
     controller = Controller(client, cluster, ranks, device_type, backend)
     config.set_running_world_size(len(ranks))

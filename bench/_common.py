@@ -1,0 +1,117 @@
+"""Helpers shared by the bench scripts: a result row, medians, a free port, table printing.
+
+Not a benchmark itself; ``bench/run_all.py`` and each ``bench/<name>.py`` import it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import statistics
+import sys
+from typing import NamedTuple
+
+
+class Row(NamedTuple):
+    """One comparison: dtorch seconds vs reference seconds; ``target`` is the max ratio wanted."""
+
+    name: str
+    dtorch_s: float
+    ref_s: float
+    target: float
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.dtorch_s / self.ref_s if self.ref_s > 0 else float("inf")
+
+
+def main(run, doc: str) -> None:
+    """Command line of one bench script: ``[--quick] [--json PATH]``; prints the table."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (~1 min)")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON (run_all.py)")
+    args = ap.parse_args()
+    rows = run(args.quick)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r._asdict() for r in rows], f)
+    print(table(rows), flush=True)
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_threads(world: int) -> int:
+    """Torch threads per rank: the same formula dtorch uses (dtorch.runtime.cluster.local_threads)."""
+    return max(1, (os.cpu_count() or 1) // max(1, world))
+
+
+def fmt_s(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:8.1f} us"
+    if s < 1:
+        return f"{s * 1e3:8.2f} ms"
+    return f"{s:8.3f} s "
+
+
+def table(rows: list[Row]) -> str:
+    """Plain-text table: name, dtorch, reference, ratio, target, whether the target is met."""
+    w = max([len(r.name) for r in rows] + [10])
+    lines = [f"{'benchmark':<{w}}  {'dtorch':>11}  {'reference':>11}  {'ratio':>6}  "
+             f"{'target':>7}  meets"]
+    for r in rows:
+        ok = "yes" if r.ratio <= r.target else "NO"
+        lines.append(f"{r.name:<{w}}  {fmt_s(r.dtorch_s)}  {fmt_s(r.ref_s)}  {r.ratio:6.2f}  "
+                     f"<={r.target:<5.2f}  {ok}" + (f"  ({r.note})" if r.note else ""))
+    return "\n".join(lines)
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| benchmark | dtorch | reference | ratio | target | meets | note |",
+             "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for r in rows:
+        ok = "yes" if r.ratio <= r.target else "no"
+        lines.append(f"| {r.name} | {fmt_s(r.dtorch_s).strip()} | {fmt_s(r.ref_s).strip()} | "
+                     f"{r.ratio:.2f}x | <= {r.target:.2f}x | {ok} | {r.note} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """One line describing where the numbers were taken."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        load = "load avg %.2f %.2f %.2f" % os.getloadavg()
+    except OSError:
+        load = "load avg n/a"
+    import torch
+    return (f"{platform.node()}: {os.cpu_count()} CPUs ({cpu}), {platform.system()} "
+            f"{platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
+            f", {load} at start")
+
+
+def now() -> str:
+    return datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+
+
+def command() -> str:
+    return " ".join([os.path.relpath(sys.executable)] + sys.argv)

@@ -1,0 +1,77 @@
+"""Run every dtorch benchmark side by side and print one table of ratios (information only).
+
+- ``redistribute_vs_torch.py``: redistribute vs raw torch.distributed, same collective and
+  bytes (target <= 1.15x for 16 MB and up)
+- ``to_torch_vs_dask.py``: ``to_torch()`` vs a Dask gather of the same shards (<= 1.2x)
+- ``startup.py``: cold start to the first value vs spawning 4 torch processes (<= 2x)
+
+Each runs in its own child process (one process tree; every cluster and process group is torn
+down before the next starts, and Dask's worker environment does not leak into the next one).
+Nothing is asserted: the targets are printed next to the ratios.
+
+    make bench                                   # = .venv/bin/python bench/run_all.py
+    .venv/bin/python bench/run_all.py --quick    # small sizes, about a minute
+    .venv/bin/python bench/run_all.py --md bench/RESULTS.md   # also write a Markdown report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _common import Row, command, machine, markdown, now, table  # noqa: E402
+
+BENCHES = ("redistribute_vs_torch.py", "to_torch_vs_dask.py", "startup.py")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (~1 min)")
+    ap.add_argument("--only", nargs="*", choices=BENCHES, help="run only these scripts")
+    ap.add_argument("--md", metavar="PATH", help="write the results as Markdown to PATH")
+    args = ap.parse_args()
+    started, where, cmd = now(), machine(), command()
+    print(f"{cmd}\n{started}\n{where}\n", flush=True)
+    rows: list[Row] = []
+    failed = []
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.only or BENCHES:
+            out = os.path.join(tmp, name + ".json")
+            argv = [sys.executable, os.path.join(HERE, name), "--json", out]
+            if args.quick:
+                argv.append("--quick")
+            t0 = time.perf_counter()
+            rc = subprocess.call(argv)
+            print(f"[{name}] exit {rc} after {time.perf_counter() - t0:.0f} s\n", flush=True)
+            if rc != 0 or not os.path.exists(out):
+                failed.append(name)
+                continue
+            with open(out) as f:
+                rows += [Row(**r) for r in json.load(f)]
+    total = time.perf_counter() - t_all
+    print(f"== all benchmarks ({'quick' if args.quick else 'full'} mode, {total:.0f} s) ==")
+    print(table(rows) if rows else "(no results)")
+    if failed:
+        print(f"FAILED to run: {', '.join(failed)}")
+    if args.md:
+        with open(args.md, "w") as f:
+            load = "%.2f %.2f %.2f" % os.getloadavg()
+            f.write(f"# dtorch benchmark results\n\n- command: `{cmd}`\n- date: {started}\n"
+                    f"- machine: {where}; load avg {load} at the end\n"
+                    f"- wall time: {total:.0f} s\n\n{markdown(rows)}\n")
+            if failed:
+                f.write(f"\nFailed to run: {', '.join(failed)}\n")
+        print(f"wrote {args.md}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
