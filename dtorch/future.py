@@ -40,9 +40,10 @@ class TensorFuture:
                     answers = self._controller.wait(self._answers, timeout)
                     self._value = self._assemble(answers)
                 except TimeoutError:
-                    raise
-                except BaseException as exc:  # noqa: BLE001 - kept and re-raised on every get
+                    raise  # not done: a later get() waits again
+                except Exception as exc:  # noqa: BLE001 - kept and re-raised on every get
                     self._error = exc
+                # a KeyboardInterrupt propagates without marking the future done
                 self._done = True
                 if self._cleanup is not None:
                     self._cleanup()
