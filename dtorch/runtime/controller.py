@@ -114,8 +114,12 @@ class Controller:
         if new:
             self.issue(m.SetupMesh(tuple(new), self.backend))
 
-    def flush(self) -> None:
-        """Ship everything pending as one batch to every rank."""
+    def flush(self, answer: int | None = None, answer_ranks=()) -> dict:
+        """Ship everything pending as one batch to every rank.
+
+        With ``answer``, the submit calls to ``answer_ranks`` also bring back the answer to
+        that request (one round trip instead of two); returns ``{rank: ActorFuture}`` then.
+        """
         with self._lock:
             if self._freed:
                 freed = []
@@ -123,7 +127,7 @@ class Controller:
                     freed.append(self._freed.popleft())
                 self._pending.append(m.Free(tuple(freed)))
             if not self._pending:
-                return
+                return {}
             self._check_open()
             payload = pickle.dumps(self._pending, protocol=pickle.HIGHEST_PROTOCOL)
             staged, self._staged = self._staged, {}
@@ -131,17 +135,28 @@ class Controller:
             seq, self._seq = self._seq, self._seq + 1
             blobs = {r: pickle.dumps(mine, protocol=pickle.HIGHEST_PROTOCOL)
                      for r, mine in staged.items() if mine}
+            futures = {}
             with interrupts_held():  # the same batch reaches every rank, or none
                 for info in self.ranks:
-                    self._call(info.rank, "submit", seq, payload, blobs.get(info.rank))
+                    wanted = answer if info.rank in answer_ranks else None
+                    fut = self._call(info.rank, "submit", seq, payload, blobs.get(info.rank),
+                                     wanted)
+                    if wanted is not None:
+                        futures[info.rank] = fut
+            return futures
 
     # answers ---------------------------------------------------------------------------------
     def request(self, make, ranks) -> dict:
         """Issue ``make(req)`` (a Fetch or Sync), flush, and return ``{rank: ActorFuture}``."""
         req = next(self._reqs)
-        self.issue(make(req))
-        self.flush()
-        return {r: self._call(r, "answer", req) for r in ranks}
+        ranks = list(ranks)
+        self._check_open()
+        self._pending.append(make(req))
+        futures = self.flush(req, ranks)
+        for r in ranks:  # a rank whose answer did not ride on the submit asks separately
+            if r not in futures:
+                futures[r] = self._call(r, "answer", req)
+        return futures
 
     def _call(self, rank: int, method: str, *args):
         """Call an actor method; a rank whose worker is gone raises WorkerLostError."""

@@ -48,10 +48,15 @@ class RankActor:
         self._thread.start()
 
     # called by the controller (event loop; never blocks) ---------------------------------------
-    async def submit(self, seq: int, payload: bytes, staged: bytes | None = None) -> None:
+    async def submit(self, seq: int, payload: bytes, staged: bytes | None = None,
+                     answer: int | None = None):
+        """Queue batch ``seq``; with ``answer``, also wait for and return that request's
+        answer (a Fetch or Sync inside this batch)."""
         with self._cv:
             self._inbox[seq] = (payload, staged)
             self._cv.notify()
+        if answer is not None:
+            return await self.answer(answer)
 
     async def answer(self, req: int):
         """The answer to request ``req`` (a Fetch or a Sync), once the interpreter reaches it."""
