@@ -92,7 +92,9 @@ def start_local_cluster(n_workers: int, **dask_kwargs):
     options.update(dask_kwargs)
     # Dask's MALLOC_TRIM_THRESHOLD_ for workers makes glibc map every large buffer afresh:
     # gloo's per-call temporaries then page-fault and collectives run 2-3x slower.
-    fast_malloc = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None}
+    fast_malloc = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+                   "distributed.nanny.environ.THP_MEM_ALLOC_ENABLE":
+                       os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
     had_trim = "MALLOC_TRIM_THRESHOLD_" in os.environ
     with main_module_hidden(), dask.config.set(fast_malloc):
         cluster = LocalCluster(**options)

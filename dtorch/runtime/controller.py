@@ -76,11 +76,23 @@ class Controller:
         return next(self._tids)
 
     def issue(self, instr) -> None:
-        """Append one instruction; ships a batch when ``max_pending`` is reached."""
+        """Append one instruction; ships a batch when ``max_pending`` is reached.
+
+        Handles dropped since the last instruction are freed first, in stream order, so a
+        rank can reuse their memory for this very instruction.
+        """
         self._check_open()
+        if self._freed:
+            self._pending.append(self._drain_freed())
         self._pending.append(instr)
         if len(self._pending) >= self.max_pending:
             self.flush()
+
+    def _drain_freed(self) -> m.Free:
+        freed = []
+        while self._freed:
+            freed.append(self._freed.popleft())
+        return m.Free(tuple(freed))
 
     def stage(self, rank: int, tid: int, tensor) -> None:
         """Attach a shard for ``rank`` to the next batch (read by a ``Load``)."""
@@ -122,10 +134,7 @@ class Controller:
         """
         with self._lock:
             if self._freed:
-                freed = []
-                while self._freed:
-                    freed.append(self._freed.popleft())
-                self._pending.append(m.Free(tuple(freed)))
+                self._pending.append(self._drain_freed())
             if not self._pending:
                 return {}
             self._check_open()
