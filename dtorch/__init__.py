@@ -32,3 +32,18 @@ long = int64
 int = int32
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``dtorch.relu``, ``dtorch.matmul``, ...: torch functions with a placement rule."""
+    if name.startswith("__"):
+        raise AttributeError(f"module 'dtorch' has no attribute {name!r}")
+    if name in ("nn", "ops"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    from .ops.exports import missing, routed
+    func = routed(name)
+    if func is None:
+        raise missing("dtorch", name)
+    globals()[name] = func
+    return func

@@ -291,9 +291,79 @@ class DTensor:
         from dtorch_widgets.display import dtensor_mimebundle
         return dtensor_mimebundle(self, include, exclude)
 
+    # ops: torch functions, methods and operators (rules in dtorch.ops) ------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """``torch.relu(x)``, ``F.softmax(x, -1)``, ... on DTensors: see ``dtorch.ops``."""
+        return _dispatch(func, types, args, kwargs)
+
+    def __getattr__(self, name):
+        """Tensor methods (``x.sum(0)``, ``x.view(2, -1)``) and a few properties (``x.T``)."""
+        if name.startswith("_"):
+            raise AttributeError(f"'DTensor' object has no attribute {name!r}")
+        return _attribute(self, name)
+
+    __hash__ = object.__hash__  # __eq__ is elementwise, as on torch.Tensor; hash by identity
+
 
 def _identity(x):
     return x
+
+
+def _dispatch(func, types, args, kwargs=None):
+    """Late-bound ``dtorch.ops.dispatch.dispatch`` (rebinds itself on first use)."""
+    global _dispatch
+    from .ops.dispatch import dispatch
+    _dispatch = dispatch
+    return dispatch(func, types, args, kwargs)
+
+
+def _attribute(x, name):
+    global _attribute
+    from .ops.methods import attribute
+    _attribute = attribute
+    return attribute(x, name)
+
+
+_OPERANDS = (DTensor, int, float, bool, complex, torch.Tensor)
+
+
+def _binary_dunder(func):
+    def dunder(self, other):
+        if not isinstance(other, _OPERANDS):
+            return NotImplemented
+        return _dispatch(func, None, (self, other))
+    dunder.__name__ = func.__name__
+    return dunder
+
+
+def _unary_dunder(func):
+    def dunder(self):
+        return _dispatch(func, None, (self,))
+    dunder.__name__ = func.__name__
+    return dunder
+
+
+def _getitem(self, index):
+    return _dispatch(torch.Tensor.__getitem__, None, (self, index))
+
+
+def _setitem(self, index, value):
+    _dispatch(torch.Tensor.__setitem__, None, (self, index, value))
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
+              "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
+              "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__and__",
+              "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__",
+              "__rshift__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+              "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+              "__ipow__", "__iand__", "__ior__", "__ixor__"):
+    setattr(DTensor, _name, _binary_dunder(getattr(torch.Tensor, _name)))
+for _name in ("__neg__", "__pos__", "__abs__", "__invert__"):
+    setattr(DTensor, _name, _unary_dunder(getattr(torch.Tensor, _name)))
+DTensor.__getitem__ = _getitem
+DTensor.__setitem__ = _setitem
 
 
 def _distinct_blocks(spec: TensorSpec) -> dict[int, layout.RankBlock]:

@@ -1,1 +1,57 @@
-"""Op placement rules: one registry, one file per op family."""
+"""Op placement rules: one registry, one file per op family.
+
+``coverage()`` lists every torch callable that has a rule, with its family::
+
+    >>> rows = coverage()
+    >>> ("torch.matmul", "matmul") in rows
+    True
+    >>> ("F.softmax", "softmax") in rows
+    True
+"""
+
+from __future__ import annotations
+
+from . import registry
+from . import (attention, binary, cast, compare, concat, elementwise, embedding,  # noqa: F401
+               indexing, like, matmul, meta_ops, norm, reduction, shape, softmax)
+from .dispatch import UnsupportedOpError, clear_cache
+from .registry import lookup
+
+
+def coverage() -> list[tuple[str, str]]:
+    """``[(name, family), ...]`` sorted by family then name: ``("torch.add", "binary")``."""
+    rows = {(e.name, e.family) for e in registry.entries().values()}
+    return sorted(rows, key=lambda r: (r[1], r[0]))
+
+
+def coverage_markdown() -> str:
+    """The coverage list as a markdown table (one row per family), used by docs/ops.md."""
+    by_family: dict[str, list[str]] = {}
+    for name, family in coverage():
+        by_family.setdefault(family, []).append(name)
+    lines = ["| family | count | callables |", "| --- | --- | --- |"]
+    for family, names in by_family.items():
+        lines.append(f"| {family} | {len(names)} | " + ", ".join(f"`{n}`" for n in names) + " |")
+    return "\n".join(lines)
+
+
+_START, _END = "<!-- coverage:start -->", "<!-- coverage:end -->"
+
+
+def write_coverage(path: str = "docs/ops.md") -> None:
+    """Regenerate the coverage table between the markers of ``path`` (docs/ops.md)::
+
+        .venv/bin/python -c "import dtorch.ops as o; o.write_coverage()"
+    """
+    with open(path) as f:
+        text = f.read()
+    head, _, rest = text.partition(_START)
+    _, _, tail = rest.partition(_END)
+    n = len(coverage())
+    body = f"\n{n} torch callables have a rule.\n\n{coverage_markdown()}\n"
+    with open(path, "w") as f:
+        f.write(head + _START + body + _END + tail)
+
+
+__all__ = ["coverage", "coverage_markdown", "write_coverage", "lookup", "clear_cache",
+           "UnsupportedOpError"]

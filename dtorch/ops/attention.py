@@ -1,0 +1,110 @@
+"""``F.scaled_dot_product_attention`` without context parallelism: batch and head sharding.
+
+Inputs are ``[..., L, E]`` (query) and ``[..., S, E]`` / ``[..., S, Ev]`` (key / value); per
+mesh dim:
+
+- all Replicate -> Replicate;
+- query, key and value all ``Shard(d)`` on the same leading (batch or head) dim -> ``Shard(d)``;
+  with grouped-query attention every rank must hold whole groups;
+- a value ``Partial(sum|avg)`` beside Replicate query/key -> that Partial (linear in value);
+- a sharded sequence or feature dim raises (context parallelism is a different op).
+
+``attn_mask`` follows the output like a binary-op operand: sharded alike, or Replicate
+(narrowed locally), or broadcast. Dropout must be 0 (eval). Example::
+
+    >>> LEGAL.split(";")[0]
+    'R, R, R -> R'
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from ..layout import rank_block
+from ..placement import Replicate, Shard
+from ..runtime.messages import Coord
+from .binary import elementwise_placements, narrow_table, sliced_call
+from .explain import with_dim
+from .registry import Decision, TArg, rule
+
+R = Replicate()
+LEGAL = ("R, R, R -> R; S(b), S(b), S(b) -> S(b) for a batch or head dim b; R, R, P(sum|avg) "
+         "value -> P(sum|avg); the sequence and feature dims are never sharded")
+
+
+def _qkv_dim(op, q, k, v, m):
+    pls = [t.placements[m] for t in (q, k, v)]
+    if any(p.is_partial() for p in pls):
+        p = v.placements[m]
+        if (p.is_partial() and p.reduce_op in ("sum", "avg") and pls[0].is_replicate()
+                and pls[1].is_replicate()):
+            return p
+        bad = next(t for t in (q, k, v) if t.placements[m].is_partial())
+        op.fail(m, LEGAL, {bad: with_dim(bad.placements, m, R)}, "attention is not linear in "
+                "the query or key, and a Partial value needs Replicate query and key")
+    shards = [p for p in pls if isinstance(p, Shard)]
+    if not shards:
+        return R
+    d = shards[0].dim
+    if d >= q.ndim - 2:
+        t = next(t for t in (q, k, v) if isinstance(t.placements[m], Shard))
+        op.fail(m, LEGAL, {t: with_dim(t.placements, m, R)},
+                "the sequence or feature dim is sharded: that needs context parallelism "
+                "(ring / Ulysses), which this op does not do")
+    for t in (q, k, v):
+        if t.placements[m] != Shard(d):
+            op.fail(m, LEGAL, {t: with_dim(t.placements, m, Shard(d))},
+                    f"query, key and value must all be sharded on dim {d}")
+    return Shard(d)
+
+
+def _check_groups(op, q, k, out):
+    """Grouped-query attention: each rank's query heads must map to its own kv heads."""
+    hq, hk = q.shape[-3] if q.ndim >= 3 else 1, k.shape[-3] if k.ndim >= 3 else 1
+    if q.ndim < 3 or hq == hk:
+        return
+    g = hq // hk
+    mesh, d = q.mesh, q.ndim - 3
+    for r in mesh.ranks:
+        c = mesh.get_coordinate(r)
+        a, b = rank_block(q.shape, mesh, q.placements, c), rank_block(k.shape, mesh,
+                                                                      k.placements, c)
+        if (a.offset[d], a.shape[d]) != (b.offset[d] * g, b.shape[d] * g):
+            m = next(i for i, p in enumerate(out) if p == Shard(d))
+            op.fail(m, LEGAL, {q: with_dim(q.placements, m, R), k: with_dim(k.placements, m, R)},
+                    f"grouped-query attention ({hq} query heads, {hk} kv heads): rank {r} "
+                    f"would hold query heads that do not match its kv heads")
+
+
+@rule("scaled_dot_product_attention", family="attention",
+      arg_names=("query", "key", "value", "attn_mask"))
+def sdpa_rule(op):
+    q, k, v = op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value")
+    if op.arg(4, "dropout_p", 0.0):
+        raise NotImplementedError(f"{op.name} with dropout_p > 0 is not supported on DTensors "
+                                  f"(eval only); pass dropout_p=0.0")
+    if q.ndim != k.ndim or q.ndim != v.ndim:
+        op.fail(None, LEGAL, {}, "query, key and value must have the same number of dims")
+    out = tuple(_qkv_dim(op, q, k, v, m) for m in range(op.mesh.ndim))
+    _check_groups(op, q, k, out)
+    mask = op.arg(3, "attn_mask")
+    if type(mask) is not TArg:
+        return out
+    from ..tensor import TensorSpec
+    shape = op.out.shapes[0][:-1] + (k.shape[-2],)
+    scores = tuple(R if p.is_partial() else p for p in out)  # a Partial value: scores are R
+    pseudo = TArg(-1, "attention scores", TensorSpec(shape, q.dtype, q.mesh, scores))
+    where = "attn_mask" if "attn_mask" in op.kwargs else 3
+    placements, narrow = elementwise_placements(op, [(None, pseudo), (where, mask)], "none",
+                                                shape)
+    if placements != scores:
+        m = next(i for i, (a, b) in enumerate(zip(placements, scores)) if a != b)
+        op.fail(m, LEGAL, {mask: with_dim(mask.placements, m, R)},
+                "attn_mask must be Replicate or sharded like the attention scores")
+    if not narrow:
+        return out
+    (w, (t, target)), = narrow.items()
+    return Decision((out,), sliced_call,
+                    (F.scaled_dot_product_attention,
+                     ((w, narrow_table(t.shape, t.mesh, t.placements, target)),),
+                     Coord(op.mesh), *op.args), dict(op.kwargs))

@@ -1,0 +1,359 @@
+"""Dispatch: a torch call on DTensors -> one ``Call`` instruction and DTensor handles.
+
+``DTensor.__torch_function__``, the operator dunders and ``dtorch.<name>`` all end here. A
+call is keyed by (function, input specs, non-tensor arguments); the first call with a key
+infers output shapes on ``meta``, runs the placement rule and stores a :class:`Plan`; later
+calls only fill the plan in (a few microseconds). Nothing waits for the workers and no
+collective is issued. Example::
+
+    y = dispatch(torch.add, None, (x, 1.0))     # what ``x + 1.0`` and ``torch.add(x, 1.0)`` do
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..errors import DTorchError, PlacementError
+from ..runtime import messages as m
+from ..runtime import session
+from ..tensor import DTensor, make_spec
+from .infer import Outputs, describe, rebuild, to_meta, to_zeros
+from .registry import OpCall, TArg, as_decision, display_name, lookup
+
+_CACHE_MAX = 50_000
+_NOCACHE = object()
+_new_tuple = tuple.__new__
+_Ref, _Call = m.Ref, m.Call
+
+
+class UnsupportedOpError(DTorchError, NotImplementedError):
+    """A torch function with no placement rule was called on DTensors."""
+
+
+class Plan(NamedTuple):
+    """What one cached call signature does: output specs, the local function, the argument
+    template (None: the call's own arguments), the ranks, how to rebuild the result."""
+
+    out_specs: tuple
+    fn: Callable
+    args: tuple | None
+    kwargs: dict | None
+    ranks: tuple
+    outputs: Outputs
+    inplace: int | None
+    simple: bool = False  # one new output, the call's own arguments: the fast path applies
+
+
+_cache: dict = {}
+
+
+def clear_cache() -> None:
+    """Forget every cached plan (rules changed, or for measuring first-call cost)."""
+    _cache.clear()
+
+
+# the hot path ------------------------------------------------------------------------------------
+def _prep(a, key: list, tensors: list):
+    """The call-side value of one argument (a Ref for a DTensor); extends the cache key."""
+    t = type(a)
+    if t is DTensor:
+        tensors.append(a)
+        key.append(a._spec)
+        return _new_tuple(_Ref, (a._tid,))
+    if t is int or t is float or t is bool:
+        key.append(t)
+        key.append(a if a == a else _NOCACHE)
+        return a
+    if a is None or t is str or t is torch.dtype:
+        key.append(a)
+        return a
+    if t is tuple or t is list or t is torch.Size:
+        key.append(t)
+        key.append(len(a))
+        out = [_prep(x, key, tensors) for x in a]
+        return out if t is list else tuple(out)
+    return _prep_other(a, key, tensors)
+
+
+def _prep_other(a, key, tensors):
+    if isinstance(a, DTensor):
+        tensors.append(a)
+        key.append(a._spec)
+        return _new_tuple(_Ref, (a._tid,))
+    if type(a) is slice:
+        if any(isinstance(v, DTensor) for v in (a.start, a.stop, a.step)):
+            raise TypeError("slice bounds must be ints, not DTensors; use int(t) or t.item()")
+        key.append(slice)
+        key.append(a.start)
+        key.append(a.stop)
+        key.append(a.step)
+        return a
+    if isinstance(a, torch.Tensor):
+        if a.dim() != 0:  # fine without DTensors (plain torch); _plan raises otherwise
+            key.append(_NOCACHE)
+            return a
+        key.append(torch.Tensor)
+        key.append(a.dtype)
+        return a
+    if isinstance(a, dict):
+        key.append(dict)
+        return {k: _prep(v, key, tensors) for k, v in a.items()}
+    try:
+        hash(a)
+    except TypeError:
+        key.append(_NOCACHE)
+        return a
+    key.append(type(a))
+    key.append(a)
+    return a
+
+
+def dispatch(func, types, args=(), kwargs=None):
+    """Run ``func(*args, **kwargs)`` where some arguments are DTensors (see module doc).
+
+    The signature of ``__torch_function__`` (``types`` is not used: every argument type is
+    read from ``args``)."""
+    if not kwargs and len(args) == 2 and type(args[0]) is DTensor:
+        plan = _fast_binary(func, args)
+        if plan is not None:
+            return plan
+    return _dispatch(func, args, kwargs)
+
+
+def _fast_binary(func, args):
+    """``x <op> y`` / ``x <op> 2.0`` with a cached plan that uses the call's own arguments."""
+    a, b = args
+    tb = type(b)
+    c = a._controller
+    if tb is DTensor:
+        key = (func, a._spec, b._spec)
+        if b._controller is not c or b._tid is None:
+            b._live()
+        cargs = (_new_tuple(_Ref, (a._tid,)), _new_tuple(_Ref, (b._tid,)))
+    elif (tb is float or tb is int) and b == b:
+        key = (func, a._spec, tb, b)
+        cargs = (_new_tuple(_Ref, (a._tid,)), b)
+    else:
+        return None
+    plan = _cache.get(key)
+    if plan is None or not plan.simple:
+        return None
+    if c is not session._controller or a._tid is None:
+        a._live()
+    tid = c.new_tid()
+    c.issue(_new_tuple(_Call, ((tid,), plan.fn, cargs, {}, plan.ranks)))
+    return _wrap(plan.out_specs[0], tid, c)
+
+
+def _dispatch(func, args, kwargs=None):
+    key = [func]
+    tensors: list = []
+    cargs = []
+    for a in args:  # the common argument types inline; the rest through _prep
+        t = type(a)
+        if t is DTensor:
+            tensors.append(a)
+            key.append(a._spec)
+            cargs.append(_new_tuple(_Ref, (a._tid,)))
+        elif t is float or t is int:
+            key.append(t)
+            key.append(a if a == a else _NOCACHE)
+            cargs.append(a)
+        else:
+            cargs.append(_prep(a, key, tensors))
+    ckwargs = {}
+    if kwargs:
+        for k, v in kwargs.items():
+            key.append(k)
+            ckwargs[k] = _prep(v, key, tensors)
+    if not tensors:
+        return func(*args, **(kwargs or {}))
+    key = tuple(key)
+    plan = _cache.get(key)
+    if plan is None:
+        plan = _plan(func, args, kwargs or {}, tensors, key)
+    c = tensors[0]._controller
+    for t in tensors:
+        if t._controller is not c or t._tid is None:
+            t._live()
+    if c is not session._controller:
+        tensors[0]._live()
+    outputs = plan.outputs
+    if outputs.kind == "value":
+        return outputs.value
+    if plan.args is not None:
+        cargs = _fill(plan.args, tensors)
+        ckwargs = _fill_kwargs(plan.kwargs, tensors)
+    if plan.inplace is not None:
+        target = tensors[plan.inplace]
+        c.issue(_new_tuple(_Call, ((target._tid,), plan.fn, tuple(cargs), ckwargs, plan.ranks)))
+        return target
+    specs = plan.out_specs
+    if len(specs) == 1:
+        tid = c.new_tid()
+        c.issue(_new_tuple(_Call, ((tid,), plan.fn, tuple(cargs), ckwargs, plan.ranks)))
+        out = _wrap(specs[0], tid, c)
+        return out if outputs.kind == "one" else rebuild(outputs, [out])
+    tids = tuple(c.new_tid() for _ in specs)
+    c.issue(_new_tuple(_Call, (tids, plan.fn, tuple(cargs), ckwargs, plan.ranks)))
+    return rebuild(outputs, [_wrap(s, t, c) for s, t in zip(specs, tids)])
+
+
+_wrap = DTensor._wrap
+
+
+def _fill(template, tensors):
+    out = []
+    for x in template:
+        if type(x) is TArg:
+            out.append(_new_tuple(_Ref, (tensors[x.index]._tid,)))
+        elif type(x) is list:
+            out.append([_new_tuple(_Ref, (tensors[y.index]._tid,)) if type(y) is TArg else y
+                        for y in x])
+        else:
+            out.append(x)
+    return out
+
+
+def _fill_kwargs(template, tensors):
+    if not template:
+        return {}
+    return {k: (_new_tuple(_Ref, (tensors[v.index]._tid,)) if type(v) is TArg else v)
+            for k, v in template.items()}
+
+
+# the first call of a signature --------------------------------------------------------------------
+def _plan(func, args, kwargs, tensors, key) -> Plan:
+    entry = lookup(func)
+    if entry is None:
+        raise UnsupportedOpError(
+            f"{display_name(func)} has no dtorch placement rule, so it cannot run on DTensors. "
+            f"See dtorch.ops.coverage() for the supported functions; gather with "
+            f".to_torch() to use plain torch, or compose it from supported ops")
+    if "out" in kwargs and kwargs["out"] is not None:
+        raise TypeError(f"{entry.name}: out= is not supported on DTensors; use the returned "
+                        f"DTensor")
+    _reject_plain_tensors((args, kwargs))
+    counter = iter(range(len(tensors)))
+    targs = tuple(_targ(a, _label(entry, i), counter) for i, a in enumerate(args))
+    tkwargs = {k: _targ(v, k, counter) for k, v in kwargs.items()}
+    flat = _flatten_targs((targs, tkwargs))
+    mesh = flat[0].mesh
+    for t in flat[1:]:
+        if t.mesh != mesh:
+            raise PlacementError(
+                f"{entry.name}: inputs live on different meshes: {flat[0].label} on {mesh}, "
+                f"{t.label} on {t.mesh}. Move one with x.redistribute(device_mesh=...) (same "
+                f"mesh shape), or make both on one mesh")
+    outputs = describe(_infer(entry.meta or func, targs, tkwargs))
+    if outputs.kind == "value":
+        plan = Plan((), func, None, None, mesh.ranks, outputs, None)
+        return _store(key, plan)
+    op = OpCall(entry, func, targs, tkwargs, tuple(flat), mesh, outputs)
+    decision = as_decision(entry.rule(op))
+    if len(decision.placements) != len(outputs.shapes):
+        raise AssertionError(f"rule for {entry.name} gave {len(decision.placements)} outputs; "
+                             f"torch returns {len(outputs.shapes)}")
+    specs = tuple(make_spec(s, d, mesh, p)
+                  for s, d, p in zip(outputs.shapes, outputs.dtypes, decision.placements))
+    inplace = decision.inplace if decision.inplace is not None else (0 if entry.inplace else None)
+    if inplace is not None:
+        _check_inplace(op, flat[inplace], specs)
+    simple = decision.args is None and outputs.kind == "one" and inplace is None
+    plan = Plan(specs, decision.fn or func, decision.args, decision.kwargs, mesh.ranks,
+                outputs, inplace, simple)
+    return _store(key, plan)
+
+
+def _infer(fn, targs, tkwargs):
+    """Run ``fn`` on meta tensors; on an error, show the message torch gives on cpu."""
+    try:
+        return fn(*to_meta(targs), **to_meta(tkwargs))
+    except Exception:  # noqa: BLE001 - re-raised below
+        cpu_error = _cpu_error(fn, targs, tkwargs)
+        if cpu_error is not None:
+            raise cpu_error from None
+        raise
+
+
+def _cpu_error(fn, targs, tkwargs, limit: int = 1 << 20):
+    """The exception ``fn`` raises on small zero-filled cpu tensors of the same shapes (meta
+    kernels word some errors differently), or None when it does not raise or is too big."""
+    flat = _flatten_targs((targs, tkwargs))
+    if sum(math.prod(t.shape) for t in flat) > limit:
+        return None
+    try:
+        fn(*to_zeros(targs), **to_zeros(tkwargs))
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+def _reject_plain_tensors(obj) -> None:
+    if isinstance(obj, torch.Tensor) and obj.dim() != 0:
+        raise TypeError(f"a plain torch.Tensor of shape {tuple(obj.shape)} was mixed with "
+                        f"DTensors; make it a DTensor first: dtorch.tensor(t, device_mesh=mesh, "
+                        f"placements=[...]) (0-dim tensors are fine as scalars)")
+    if type(obj) in (list, tuple):
+        for x in obj:
+            _reject_plain_tensors(x)
+    elif type(obj) is dict:
+        for x in obj.values():
+            _reject_plain_tensors(x)
+
+
+def _store(key, plan):
+    if _NOCACHE not in key:
+        if len(_cache) >= _CACHE_MAX:
+            _cache.clear()
+        _cache[key] = plan
+    return plan
+
+
+def _check_inplace(op, target: TArg, specs) -> None:
+    spec = specs[0]
+    if len(specs) != 1 or spec.shape != target.shape or spec.dtype != target.dtype:
+        raise TypeError(f"{op.name}: in-place ops that change the shape or dtype of a DTensor "
+                        f"are not supported; use the out-of-place op")
+    if spec.placements != target.placements:
+        from .explain import code_placements
+        raise PlacementError(
+            f"{op.name}: an in-place op cannot change placements, but {target.label} "
+            f"{code_placements(target.placements)} would become "
+            f"{code_placements(spec.placements)}. Use the out-of-place op, or redistribute "
+            f"{target.label} first: {target.label}.redistribute(placements="
+            f"{code_placements(spec.placements)})")
+
+
+def _label(entry, i: int) -> str:
+    return entry.arg_names[i] if i < len(entry.arg_names) else f"arg{i}"
+
+
+def _targ(a, label, counter):
+    if isinstance(a, DTensor):
+        return TArg(next(counter), label, a._spec)
+    if type(a) is list or type(a) is tuple:
+        out = [_targ(x, f"{label}[{j}]", counter) for j, x in enumerate(a)]
+        return out if type(a) is list else tuple(out)
+    if type(a) is dict:
+        return {k: _targ(v, f"{label}[{k!r}]", counter) for k, v in a.items()}
+    return a
+
+
+def _flatten_targs(obj, out=None) -> list:
+    out = [] if out is None else out
+    if type(obj) is TArg:
+        out.append(obj)
+    elif type(obj) in (list, tuple):
+        for x in obj:
+            _flatten_targs(x, out)
+    elif type(obj) is dict:
+        for x in obj.values():
+            _flatten_targs(x, out)
+    return out
+
+
+__all__ = ["dispatch", "clear_cache", "UnsupportedOpError", "Plan"]

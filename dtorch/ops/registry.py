@@ -1,0 +1,179 @@
+"""The rule registry: one placement rule per torch callable. Pure (no Dask, no torch.distributed).
+
+A rule is a small function of an :class:`OpCall` (the inputs' specs, the non-tensor arguments,
+the output shapes inferred on ``meta``) that returns the output placements, or a
+:class:`Decision` when the ranks must run something other than the torch function itself.
+It raises :class:`dtorch.PlacementError` through :meth:`OpCall.fail` when no rule fits.
+Example::
+
+    @rule("relu", "sigmoid", family="unary")
+    def _unary(op):                      # op.tensors[0] is the input's TArg
+        return op.tensors[0].placements  # elementwise: placements kept
+
+    >>> import torch
+    >>> lookup(torch.add).family, lookup(torch.Tensor.add_).inplace
+    ('binary', True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..placement import Placement
+
+
+class TArg(NamedTuple):
+    """A DTensor input as a rule sees it: its position among the tensor inputs, a label for
+    messages (``input``, ``other``, ``tensors[1]``) and its spec."""
+
+    index: int
+    label: str
+    spec: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.spec.shape)
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self.spec.placements
+
+    @property
+    def mesh(self):
+        return self.spec.mesh
+
+
+class Decision(NamedTuple):
+    """What a rule decided: output placements (one tuple per output) and, optionally, the
+    local function the ranks run instead of the torch function, with its argument template
+    (``TArg`` slots stand for the local shards; ``inplace`` the mutated input's index)."""
+
+    placements: tuple
+    fn: Callable | None = None
+    args: tuple | None = None
+    kwargs: dict | None = None
+    inplace: int | None = None
+
+
+class Entry(NamedTuple):
+    """One registered callable: display name, family, rule, in-place flag, custom meta."""
+
+    name: str
+    family: str
+    rule: Callable
+    inplace: bool
+    meta: Callable | None
+    arg_names: tuple[str, ...]
+
+
+_RULES: dict[Any, Entry] = {}
+_NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("F", F), ("linalg", torch.linalg),
+               ("special", torch.special))
+
+
+def display_name(func) -> str:
+    """``torch.add``, ``Tensor.add``, ``F.softmax``: how messages and coverage name a callable."""
+    for prefix, ns in _NAMESPACES:
+        name = getattr(func, "__name__", None)
+        if name and getattr(ns, name, None) is func:
+            return f"{prefix}.{name}"
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+
+
+def _resolve(name_or_func) -> list:
+    """``[(callable, display name)]``: a string names every torch / Tensor / F callable spelled
+    that way; a callable is itself."""
+    if not isinstance(name_or_func, str):
+        return [(name_or_func, display_name(name_or_func))]
+    found = []
+    for prefix, ns in _NAMESPACES[:3]:
+        f = getattr(ns, name_or_func, None)
+        if f is not None and callable(f) and f not in [g for g, _ in found]:
+            found.append((f, f"{prefix}.{name_or_func}"))
+    return found
+
+
+def rule(*funcs, family: str, inplace: bool = False, meta: Callable | None = None,
+         arg_names: tuple[str, ...] = ("input", "other")):
+    """Register the decorated rule for ``funcs`` (callables, or names resolved in ``torch``,
+    ``torch.Tensor`` and ``torch.nn.functional``). ``inplace=True`` marks variants that mutate
+    their first tensor (``add_``); ``meta`` replaces the torch call used for shape inference."""
+    def deco(fn):
+        _register(funcs, family, inplace, meta, arg_names, fn)
+        return fn
+    return deco
+
+
+def _register(funcs, family, inplace, meta, arg_names, fn) -> None:
+    for spec in funcs:
+        resolved = _resolve(spec)
+        if not resolved and isinstance(spec, str):
+            continue  # a name this torch version lacks
+        for f, name in resolved:
+            _RULES[f] = Entry(name, family, fn, inplace, meta, tuple(arg_names))
+
+
+def lookup(func) -> Entry | None:
+    """The entry for a torch callable, or None."""
+    return _RULES.get(func)
+
+
+def entries() -> dict:
+    """``{callable: Entry}`` for everything registered."""
+    return dict(_RULES)
+
+
+class OpCall:
+    """One call as a rule sees it (built on a cache miss only, so clarity beats speed).
+
+    ``args``/``kwargs`` hold :class:`TArg` where the user passed DTensors; ``tensors`` lists
+    them in order; ``out`` holds ``(shape, dtype)`` per output from shape inference.
+    """
+
+    __slots__ = ("entry", "func", "args", "kwargs", "tensors", "mesh", "out")
+
+    def __init__(self, entry: Entry, func, args, kwargs, tensors, mesh, out):
+        self.entry, self.func, self.args, self.kwargs = entry, func, args, kwargs
+        self.tensors, self.mesh, self.out = tensors, mesh, out
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def arg(self, pos: int | None, name: str | None, default=None):
+        """Argument by position or keyword: ``op.arg(1, "dim", None)``."""
+        if name is not None and name in self.kwargs:
+            return self.kwargs[name]
+        if pos is not None and pos < len(self.args):
+            return self.args[pos]
+        return default
+
+    def fail(self, mesh_dim: int | None, legal: str, fix: dict | None = None,
+             why: str | None = None):
+        """Raise PlacementError (see :mod:`dtorch.ops.explain` for the format)."""
+        from .explain import placement_error
+        raise placement_error(self, mesh_dim, legal, fix or {}, why)
+
+
+def is_placement_tuple(value) -> bool:
+    return isinstance(value, tuple) and bool(value) and isinstance(value[0], Placement)
+
+
+def as_decision(result) -> Decision:
+    """Normalize a rule's return: placements of one output, a list per output, or Decision."""
+    if isinstance(result, Decision):
+        return result
+    if is_placement_tuple(result):
+        return Decision((result,))
+    return Decision(tuple(tuple(p) for p in result))
