@@ -25,6 +25,7 @@ from .placement import Partial, Placement, Replicate, Shard, format_placements
 from .redistribute import plan_redistribute
 from .runtime import messages as m
 from .runtime import session
+from .runtime.wire import unpack
 
 _REPR_MAX_ELEMENTS = 1 << 22
 
@@ -141,7 +142,7 @@ class DTensor:
             for rank, (status, value) in results.items():
                 if status != "ok":
                     raise _remote(value)
-                out[blocks[rank].slices()] = value
+                out[blocks[rank].slices()] = unpack(value)
             return out
 
         return TensorFuture(c, answers, assemble, (lambda: cleanup) if cleanup is not None else None)
@@ -162,7 +163,7 @@ class DTensor:
         status, value = answers[rank]
         if status != "ok":
             raise _remote(value)
-        return value
+        return unpack(value)
 
     def item(self):
         return self.to_torch().item()

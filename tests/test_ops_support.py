@@ -17,6 +17,7 @@ import dtorch
 from dtorch import Partial, PlacementError, Replicate, Shard
 from dtorch.layout import rank_block
 from dtorch.runtime import messages as msg
+from dtorch.runtime.wire import unpack
 from dtorch.runtime import session
 
 R = Replicate()
@@ -130,8 +131,9 @@ def _compare(got, expected, exact, rtol, atol, what):
 def _check_locals(out, expected, answers, exact, rtol, atol):
     spec = out._spec
     partial = any(p.is_partial() for p in spec.placements)
-    for rank, (status, value) in answers.items():
-        assert status == "ok", value
+    for rank, (status, wire) in answers.items():
+        assert status == "ok", wire
+        value = unpack(wire)
         block = rank_block(spec.shape, spec.mesh, spec.placements,
                            spec.mesh.get_coordinate(rank))
         assert tuple(value.shape) == block.shape, (rank, tuple(value.shape), block.shape)

@@ -166,3 +166,14 @@ def test_cluster_info_and_synchronize(live):
     assert sorted(info["workers"]) == [0, 1, 2, 3]
     assert all(a.startswith("tcp://127.0.0.1:") for a in info["workers"].values())
     dtorch.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.complex128,
+                                   torch.complex64, torch.bool, torch.int8, torch.uint8,
+                                   torch.int32, torch.float64])
+def test_every_dtype_travels_both_ways(mesh1d, dtype):
+    value = (torch.arange(10) % 3).to(dtype).reshape(5, 2)
+    d = dtorch.tensor(value, device_mesh=mesh1d, placements=[Shard(0)])
+    assert d.dtype == dtype
+    assert torch.equal(d.to_torch(), value)
+    assert torch.equal(d.redistribute(placements=[Replicate()]).to_local(3), value)

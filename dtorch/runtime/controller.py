@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..errors import ClusterError, RemoteError, WorkerLostError
 from . import messages as m
 from .interrupts import interrupts_held
+from .wire import pack
 
 _generations = itertools.count(1)
 
@@ -96,7 +97,7 @@ class Controller:
 
     def stage(self, rank: int, tid: int, tensor) -> None:
         """Attach a shard for ``rank`` to the next batch (read by a ``Load``)."""
-        self._staged.setdefault(rank, {})[tid] = tensor
+        self._staged.setdefault(rank, {})[tid] = pack(tensor)
 
     def release(self, tid: int) -> None:
         """Free a tensor's shards with the next batch (safe from ``__del__``)."""

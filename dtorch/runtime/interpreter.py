@@ -20,6 +20,7 @@ import torch
 from .. import layout
 from ..redistribute import COLLECTIVES
 from . import messages as m
+from .wire import pack, unpack
 from .collectives import StepContext, run_step, send_recv
 
 
@@ -127,7 +128,7 @@ class Interpreter:
 
     def _load(self, instr: m.Load):
         if self.rank in instr.ranks:
-            self.store[instr.tid] = self._staged[instr.tid].to(self.device)
+            self.store[instr.tid] = unpack(self._staged[instr.tid]).to(self.device)
 
     def _redistribute(self, instr: m.Redistribute):
         if self.rank not in instr.ranks:
@@ -195,7 +196,7 @@ class Interpreter:
             return instr.req, ("err", RemoteFailure(self.rank, "fetch", "tensor not found", ""))
         if isinstance(value, Poison):
             return instr.req, ("err", value.failure)
-        return instr.req, ("ok", value.cpu())
+        return instr.req, ("ok", pack(value))
 
     def _sync(self, instr: m.Sync):
         errors, self.errors = self.errors, []
