@@ -82,6 +82,14 @@ def _rank_nanny_class():
     return RankNanny
 
 
+# glibc settings for the rank processes. Dask's default MALLOC_TRIM_THRESHOLD_=65536 turns off
+# glibc's adaptive mmap threshold, so every buffer over 128 KB is a fresh mmap that page-faults:
+# gloo's per-call temporaries made collectives 2-3x slower. glibc's defaults do better (tried:
+# MALLOC_MMAP_MAX_=0 with no trimming was slower again at 16 MB). A value set in the
+# environment wins.
+_WORKER_MALLOC = {"MALLOC_TRIM_THRESHOLD_": None}
+
+
 def start_local_cluster(n_workers: int, **dask_kwargs):
     """A LocalCluster of ``n_workers`` processes with one thread each, on 127.0.0.1."""
     import dask
@@ -92,14 +100,17 @@ def start_local_cluster(n_workers: int, **dask_kwargs):
     options.update(dask_kwargs)
     # Dask's MALLOC_TRIM_THRESHOLD_ for workers makes glibc map every large buffer afresh:
     # gloo's per-call temporaries then page-fault and collectives run 2-3x slower.
-    fast_malloc = {"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
-                   "distributed.nanny.environ.THP_MEM_ALLOC_ENABLE":
-                       os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
-    had_trim = "MALLOC_TRIM_THRESHOLD_" in os.environ
+    spawn_env = {**_WORKER_MALLOC, **{k: os.environ[k] for k in _WORKER_MALLOC
+                                      if k in os.environ}}
+    fast_malloc = {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in spawn_env.items()}
+    fast_malloc["distributed.nanny.environ.THP_MEM_ALLOC_ENABLE"] = \
+        os.environ.get("THP_MEM_ALLOC_ENABLE", "1")
+    before = {k: os.environ.get(k) for k in spawn_env}
     with main_module_hidden(), dask.config.set(fast_malloc):
         cluster = LocalCluster(**options)
-    if not had_trim:  # the Nanny writes its spawn environment into this process too
-        os.environ.pop("MALLOC_TRIM_THRESHOLD_", None)
+    for k, v in before.items():  # the Nanny writes its spawn environment into this process too
+        if v is None:
+            os.environ.pop(k, None)
     client = Client(cluster, set_as_default=False, direct_to_workers=True)
     protect_workers(client)  # Ctrl-C in the controller's terminal must not kill the ranks
     return client, cluster
