@@ -4,6 +4,8 @@
   bytes (target <= 1.15x for 16 MB and up)
 - ``to_torch_vs_dask.py``: ``to_torch()`` vs a Dask gather of the same shards (<= 1.2x)
 - ``startup.py``: cold start to the first value vs spawning 4 torch processes (<= 2x)
+- ``op_overhead.py``: controller cost per op and a 500-op chain / TP MLP forward vs PyTorch's
+  DTensor under SPMD (<= 0.2x per op on the controller, <= 1.0x end to end)
 
 Each runs in its own child process (one process tree; every cluster and process group is torn
 down before the next starts, and Dask's worker environment does not leak into the next one).
@@ -28,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _common import Row, command, machine, markdown, now, table  # noqa: E402
 
-BENCHES = ("redistribute_vs_torch.py", "to_torch_vs_dask.py", "startup.py")
+BENCHES = ("redistribute_vs_torch.py", "to_torch_vs_dask.py", "startup.py", "op_overhead.py")
 
 
 def main() -> int:
