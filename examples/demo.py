@@ -57,6 +57,29 @@ def seed_002_walkthrough():
     assert torch.equal(s1.to_torch(), big) and torch.equal(full.to_torch(), big)
     print("  Sharding a replicated tensor is free. Replicating a sharded one is an all-gather.")
 
+    print("\nMatmul (seed 002): placements follow from the inputs, reductions are owed")
+    xs = dtorch.distribute_tensor(big, line, [Shard(1)])
+    ws = dtorch.distribute_tensor(torch.ones(4, 4), line, [Shard(0)])
+    with dtorch.CommDebugMode() as m6:
+        out = xs @ ws
+    show_counts("Shard(1) @ Shard(0)", m6)
+    print(f"  {'':<24} -> placements {out.placements}")
+    with dtorch.CommDebugMode() as m7:
+        full = out.full_tensor()
+    show_counts("full_tensor of the matmul", m7)
+    print("  result row 0:", full[0].tolist())
+    xr = dtorch.distribute_tensor(big, line, [Replicate()])
+    wc = dtorch.distribute_tensor(torch.ones(4, 4), line, [Shard(1)])
+    with dtorch.CommDebugMode() as m8:
+        y = xr @ wc
+    show_counts("Replicate @ Shard(1)", m8)
+    print(f"  {'':<24} -> placements {y.placements}")
+    try:
+        torch.softmax(xs, dim=1)
+    except dtorch.PlacementError as err:
+        print("  softmax over a sharded dim refuses to communicate behind your back:")
+        print("    " + str(err).replace("\n", "\n    "))
+
     print("\nUneven shards (seed 001): [4, 11] with Shard(1) on 4 ranks")
     x = dtorch.randn(4, 11, device_mesh=line, placements=[Shard(1)])
     print("  local shapes:", x.local_shapes())
