@@ -159,6 +159,8 @@ def tensor(data, dtype=None, device_mesh=None, placements=None, device=None,
     if isinstance(data, DTensor):
         raise TypeError("dtorch.tensor got a DTensor; use .redistribute(...) to change its "
                         "placements, or .to_torch() first")
+    if isinstance(dtype, DeviceMesh):  # dtorch.tensor(t, mesh, placements), as distribute_tensor
+        dtype, device_mesh, placements = None, dtype, device_mesh
     value = torch.as_tensor(data, dtype=dtype).detach().cpu()
     mesh = _mesh(device_mesh, device)
     spec = make_spec(value.shape, value.dtype, mesh, placements)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from . import comm_debug, layout
-from .errors import FreedTensorError, PlacementValueError
+from .errors import DTorchError, FreedTensorError, PlacementValueError
 from .future import TensorFuture
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, format_placements
@@ -196,7 +196,11 @@ class DTensor:
             return head[:-1] + ", freed)"
         if self.numel() > _REPR_MAX_ELEMENTS:
             return head + f"\n<{self.numel()} elements not gathered for display; call .to_torch()>"
-        return head + "\n" + repr(self.to_torch())
+        try:
+            return head + "\n" + repr(self.to_torch())
+        except DTorchError as exc:  # repr must not raise (Jupyter, debuggers); reads still do
+            first = str(exc).splitlines()[0]
+            return head + f"\n<values unavailable: {type(exc).__name__}: {first}>"
 
     # redistribution --------------------------------------------------------------------------
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None) -> "DTensor":

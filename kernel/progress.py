@@ -39,7 +39,7 @@ def starting_text(info: dict, elapsed: float) -> str:
         n = info.get("n_workers")
         if n is None:
             from dtorch import config
-            n = config.default_workers() if info.get("device_type", "cpu") == "cpu" else "GPU"
+            n = config.default_workers() if (info.get("device_type") or "cpu") == "cpu" else "GPU"
         what = f"starting {n} local workers"
     return f"dtorch: {what} ... {elapsed:.0f} s"
 

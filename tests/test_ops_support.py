@@ -296,3 +296,16 @@ def test_like_factories_and_metadata(mesh2d):
     assert a.is_floating_point() and not a.is_complex() and a.element_size() == 8
     assert a.nelement() == 30 and a.is_contiguous()
     assert len(c._pending) == before  # answered on the controller
+
+
+def test_zero_dim_tensor_arguments_are_not_replayed_from_the_cache(mesh1d):
+    cond = dtorch.tensor(torch.tensor([True, False, True, False]), device_mesh=mesh1d,
+                         placements=[Shard(0)])
+    ones = dtorch.tensor(torch.ones(4), device_mesh=mesh1d, placements=[Shard(0)])
+    for fill in (1.0, 5.0, -2.0):
+        out = torch.where(cond, ones, torch.tensor(fill))
+        assert out.to_torch().tolist() == [1.0, fill, 1.0, fill]
+    for fill in (3.0, 7.0):
+        y = dtorch.zeros(4, 4, device_mesh=mesh1d, placements=[Shard(0)])
+        y[:, 0:2] = torch.tensor(fill)
+        assert y.to_torch()[0].tolist() == [fill, fill, 0.0, 0.0]

@@ -120,7 +120,11 @@ def test_init_with_other_size_while_tensors_alive_raises(live):
     keep = dtorch.ones(2)
     with pytest.raises(dtorch.ClusterError, match="DTensors alive"):
         dtorch.init(n_workers=2)
+    with pytest.raises(dtorch.ClusterError, match="DTensors alive"):
+        dtorch.init(device_type="cuda")
     assert dtorch.init() is live
+    assert dtorch.init(n_workers=4) is live
+    assert dtorch.init(n_workers=4, device_type="cpu") is live
     del keep
 
 
@@ -189,3 +193,22 @@ def test_dead_worker_is_reported_within_seconds_and_restart_recovers(mesh1d):
     y = dtorch.tensor(torch.arange(8.), device_mesh=init_device_mesh("cpu", 4),
                       placements=[Shard(0)])
     assert torch.equal(y.redistribute(placements=[Replicate()]).to_torch(), torch.arange(8.))
+
+
+def test_failure_on_one_rank_poisons_its_peers_through_a_collective(mesh1d):
+    """Only rank 3 fails (index 99 is out of range there); the others still take part in the
+    collectives with placeholders, and every rank's result is poisoned, so the value read
+    raises instead of returning zeros."""
+    import torch.nn.functional as F
+    idx = dtorch.tensor(torch.tensor([0, 1, 2, 99]), device_mesh=mesh1d, placements=[Shard(0)])
+    emb = dtorch.tensor(torch.randn(10, 3), device_mesh=mesh1d, placements=[Replicate()])
+    e = F.embedding(idx, emb)
+    with pytest.raises(dtorch.RemoteError, match="rank 3"):
+        e.redistribute(placements=[Replicate()]).to_torch()
+    with pytest.raises(dtorch.RemoteError):
+        e.sum().item()
+    with pytest.raises(dtorch.RemoteError, match="rank 3"):
+        dtorch.synchronize()
+    ok = F.embedding(dtorch.tensor(torch.tensor([0, 1, 2, 3]), device_mesh=mesh1d,
+                                   placements=[Shard(0)]), emb)
+    assert ok.redistribute(placements=[Replicate()]).to_torch().shape == (4, 3)

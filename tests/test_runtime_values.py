@@ -177,3 +177,19 @@ def test_every_dtype_travels_both_ways(mesh1d, dtype):
     assert d.dtype == dtype
     assert torch.equal(d.to_torch(), value)
     assert torch.equal(d.redistribute(placements=[Replicate()]).to_local(3), value)
+
+
+def test_tensor_accepts_mesh_and_placements_positionally(mesh1d):
+    d = dtorch.tensor(torch.arange(4.), mesh1d, [Shard(0)])
+    assert d.placements == (Shard(0),) and d.local_shapes()[3] == (1,)
+
+
+def test_repr_of_a_failed_tensor_shows_the_error_instead_of_raising(mesh1d):
+    parts = [torch.ones(2, dtype=torch.complex64)] * 4
+    bad = dtorch.from_local(parts, mesh1d, [Partial("max")]).redistribute(placements=[Replicate()])
+    text = repr(bad)
+    assert "placements=[R]" in text and "values unavailable: RemoteError" in text
+    with pytest.raises(dtorch.RemoteError):
+        bad.to_torch()
+    with pytest.raises(dtorch.RemoteError):
+        dtorch.synchronize()

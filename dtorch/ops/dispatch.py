@@ -97,6 +97,7 @@ def _prep_other(a, key, tensors):
             return a
         key.append(torch.Tensor)
         key.append(a.dtype)
+        key.append(a.item())  # cached plans replay their arguments: the value is part of it
         return a
     if isinstance(a, dict):
         key.append(dict)

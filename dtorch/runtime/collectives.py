@@ -36,6 +36,25 @@ class StepContext(NamedTuple):
     dst_mesh: DeviceMesh | None
     group_of: Callable[[tuple[int, ...]], object]
     device: torch.device = torch.device("cpu")
+    pool: object = None  # a BufferPool: outputs and send buffers reuse freed memory
+
+
+def _empty(ctx: StepContext, shape, dtype) -> torch.Tensor:
+    if ctx.pool is None or ctx.device.type != "cpu":
+        return torch.empty(tuple(shape), dtype=dtype, device=ctx.device)
+    return ctx.pool.empty(shape, dtype)
+
+
+def _copy_of(ctx: StepContext, t: torch.Tensor) -> torch.Tensor:
+    """A private contiguous copy of ``t`` (in the wire dtype), from the pool when possible."""
+    t = _wire(t)
+    return _empty(ctx, t.shape, t.dtype).copy_(t)
+
+
+def _recycle(ctx: StepContext, t: torch.Tensor) -> None:
+    """Hand a temporary back to the pool (the caller drops its reference right after)."""
+    if ctx.pool is not None:
+        ctx.pool.give_back(t, _callers_refs=2)
 
 
 def _my_group(step, rank: int) -> tuple[int, ...]:
@@ -66,11 +85,6 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.uint8) if t.dtype == torch.bool else t
 
 
-def _wire_copy(t: torch.Tensor) -> torch.Tensor:
-    """A private copy in the wire dtype, for collectives that work in place."""
-    return t.to(torch.uint8) if t.dtype == torch.bool else t.clone()
-
-
 def _is_gloo(pg) -> bool:
     try:
         return dist.get_backend(pg) == "gloo"
@@ -87,15 +101,16 @@ def _all_gather(step, local, ctx, group, pg):
     d = step.src.dim
     sizes = _sizes(ctx, step.before, group, d)
     buf = _wire(_pad(local, d, max(sizes))).contiguous()
-    flat = buf.new_empty((len(group) * buf.shape[0],) + tuple(buf.shape[1:]))
+    flat = _empty(ctx, (len(group) * buf.shape[0],) + tuple(buf.shape[1:]), buf.dtype)
     if buf.numel():
         _all_gather_flat(flat, buf, group=pg)
-    out = flat.view((len(group),) + tuple(buf.shape))
     slot_of = {c: j for j, c in enumerate(_slots(group))}
     if d == 0 and len(set(sizes)) == 1 and list(slot_of) == sorted(slot_of):
-        result = flat
-    else:
-        result = torch.cat([out[slot_of[c]].narrow(d, 0, s) for c, s in enumerate(sizes)], d)
+        return flat.to(local.dtype)
+    out = flat.view((len(group),) + tuple(buf.shape))
+    result = torch.cat([out[slot_of[c]].narrow(d, 0, s) for c, s in enumerate(sizes)], d)
+    del out
+    _recycle(ctx, flat)
     return result.to(local.dtype)
 
 
@@ -108,26 +123,42 @@ def _all_to_all(step, local, ctx, group, pg):
     offsets = [sum(pieces[:j]) for j in range(n)]
     slots = _slots(group)
     in_order = slots == list(range(n))
+    piece_shape = list(x.shape)
+    piece_shape[d_dst] = max(pieces)
+    temp = None
     if d_dst == 0 and in_order and len(set(pieces)) == 1:
         # the pieces already lie one after the other: a view, not a copy
-        inp = x.reshape((n, pieces[0]) + tuple(x.shape[1:])).contiguous()
+        inp = x.contiguous().view([n] + piece_shape)
     else:
-        inp = torch.stack([_pad(x.narrow(d_dst, offsets[c], pieces[c]), d_dst, max(pieces))
-                           for c in slots]).contiguous()
-    out = torch.empty_like(inp)
+        temp = _empty(ctx, [n * piece_shape[0]] + piece_shape[1:], x.dtype)
+        inp = temp.view([n] + piece_shape)
+        for j, c in enumerate(slots):
+            if pieces[c] < max(pieces):
+                inp[j].zero_()
+            inp[j].narrow(d_dst, 0, pieces[c]).copy_(x.narrow(d_dst, offsets[c], pieces[c]))
+    received = _empty(ctx, [n * piece_shape[0]] + piece_shape[1:], x.dtype)
+    out = received.view([n] + piece_shape)
     if inp.numel():
         dist.all_to_all_single(out, inp, group=pg)
+    del inp
+    if temp is not None:
+        _recycle(ctx, temp)
+        del temp
     if d_src == 0 and in_order and len(set(src_sizes)) == 1 and pieces[me] == max(pieces):
         # nothing to cut off and the blocks arrive in order along dim 0: the buffer is the result
-        return out.reshape((n * out.shape[1],) + tuple(out.shape[2:])).to(local.dtype)
+        del out
+        return received.to(local.dtype)
     slot_of = {c: j for j, c in enumerate(slots)}
     parts = [out[slot_of[c]].narrow(d_src, 0, src_sizes[c]).narrow(d_dst, 0, pieces[me])
              for c in range(n)]
-    return torch.cat(parts, d_src).to(local.dtype)
+    result = torch.cat(parts, d_src).to(local.dtype)
+    del parts, out
+    _recycle(ctx, received)
+    return result
 
 
 def _all_reduce(step, local, ctx, group, pg):
-    t = _wire_copy(local)
+    t = _copy_of(ctx, local)
     if t.numel():
         dist.all_reduce(t, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
     t = t.to(local.dtype)
@@ -141,11 +172,14 @@ def _reduce_scatter(step, local, ctx, group, pg):
     if _is_gloo(pg):
         # gloo's reduce_scatter (torch 2.x) is itself clone + all_reduce + copy of one chunk;
         # doing that here skips the stacked, padded copy of the whole input it would be given
-        t = _wire_copy(local)
-        if t.numel():
-            dist.all_reduce(t, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
-        t = t.narrow(d, sum(pieces[:me]), pieces[me]).clone(
-            memory_format=torch.contiguous_format).to(local.dtype)
+        full = _copy_of(ctx, local)
+        if full.numel():
+            dist.all_reduce(full, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
+        mine = full.narrow(d, sum(pieces[:me]), pieces[me])
+        t = _empty(ctx, mine.shape, mine.dtype).copy_(mine).to(local.dtype)
+        del mine
+        _recycle(ctx, full)
+        del full
         return _average(t, n) if step.src.reduce_op == "avg" else t
     x = _wire(local)
     offsets = [sum(pieces[:j]) for j in range(n)]
@@ -169,7 +203,8 @@ def _slice(step, local, ctx, group, pg):
     d = step.dst.dim
     n, me = len(group), group.index(ctx.rank)
     pieces = chunk_sizes(local.shape[d], n)
-    return local.narrow(d, sum(pieces[:me]), pieces[me]).clone()
+    mine = local.narrow(d, sum(pieces[:me]), pieces[me])
+    return _empty(ctx, mine.shape, mine.dtype).copy_(mine)
 
 
 def _to_partial(step, local, ctx, group, pg):
@@ -213,8 +248,30 @@ _RUNNERS = {"all_gather": _all_gather, "all_to_all": _all_to_all, "all_reduce": 
             "reduce_scatter": _reduce_scatter, "slice": _slice, "to_partial": _to_partial}
 
 
-def run_step(step, local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-    """Apply one mesh-dim step (not ``send_recv``); returns this rank's new local tensor."""
+def run_step(step, local: torch.Tensor, ctx: StepContext,
+             poisoned: bool = False) -> tuple[torch.Tensor, int | None]:
+    """Apply one mesh-dim step (not ``send_recv``).
+
+    Returns this rank's new local tensor and the highest rank of the group that came in
+    poisoned (None if none did): a one-element MAX all_reduce of the flags runs beside every
+    collective (overlapped with it), so a failure on one rank poisons its peers' outputs
+    instead of handing them zeros.
+    """
     group = _my_group(step, ctx.rank)
-    pg = ctx.group_of(group) if step.is_collective else None
-    return _RUNNERS[step.kind](step, local, ctx, group, pg)
+    if not step.is_collective:
+        return _RUNNERS[step.kind](step, local, ctx, group, None), None
+    pg = ctx.group_of(group)
+    flag = torch.tensor([ctx.rank + 1 if poisoned else 0], dtype=torch.int32, device=ctx.device)
+    flag_work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg, async_op=True)
+    try:
+        out = _RUNNERS[step.kind](step, local, ctx, group, pg)
+    finally:
+        flag_work.wait()
+    return out, (int(flag.item()) - 1 if flag.item() else None)
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """A collective that timed out or lost a peer: the ranks may be out of step now."""
+    text = str(exc).lower()
+    return any(w in text for w in ("timed out", "timeout", "connection closed",
+                                   "connection reset", "broken pipe"))

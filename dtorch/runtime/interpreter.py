@@ -20,8 +20,9 @@ import torch
 from .. import layout
 from ..redistribute import COLLECTIVES
 from . import messages as m
+from .buffers import BufferPool
 from .wire import pack, unpack
-from .collectives import StepContext, run_step, send_recv
+from .collectives import StepContext, is_comm_failure, run_step, send_recv
 
 
 class RemoteFailure(NamedTuple):
@@ -38,6 +39,8 @@ class Poison(NamedTuple):
 
     failure: RemoteFailure
 
+
+MAX_KEPT_ERRORS = 100
 
 _DETERMINISTIC = {"zeros": torch.zeros, "ones": torch.ones, "empty": torch.empty}
 
@@ -66,8 +69,11 @@ class Interpreter:
                  device: str = "cpu"):
         self.rank = rank
         self.device = torch.device(device)
+        self.pool = BufferPool()
+        self.broken: RemoteFailure | None = None  # a collective timed out: restart() needed
         self.store: dict[int, torch.Tensor | Poison] = {}
         self.errors: list[RemoteFailure] = []
+        self.dropped_errors = 0
         self.counts: Counter = Counter()
         self.group_of = group_of
         self.make_groups = make_groups
@@ -88,12 +94,16 @@ class Interpreter:
     def _fail(self, op: str, exc: BaseException) -> Poison:
         failure = RemoteFailure(self.rank, op, f"{type(exc).__name__}: {exc}",
                                 "".join(traceback.format_exception(exc)))
-        self.errors.append(failure)
+        if len(self.errors) < MAX_KEPT_ERRORS:  # until synchronize() collects them
+            self.errors.append(failure)
+        else:
+            self.dropped_errors += 1
         return Poison(failure)
 
     # instructions ----------------------------------------------------------------------------
     def _setup_mesh(self, instr: m.SetupMesh):
-        self.make_groups(instr.groups, instr.backend)
+        if self.broken is None:
+            self.make_groups(instr.groups, instr.backend)
 
     def _seed(self, instr: m.Seed):
         self.gen.manual_seed(instr.seed)
@@ -133,6 +143,9 @@ class Interpreter:
     def _redistribute(self, instr: m.Redistribute):
         if self.rank not in instr.ranks:
             return
+        if self.broken is not None:  # never start a collective the peers may not be in
+            self.store[instr.out] = Poison(self.broken)
+            return
         value = self.store.get(instr.src)
         poison = value if isinstance(value, Poison) else None
         coord = instr.mesh.get_coordinate(self.rank)
@@ -143,7 +156,7 @@ class Interpreter:
                                                    instr.steps[0].before, coord),
                                 dtype=instr.dtype, device=self.device)
         ctx = StepContext(self.rank, instr.shape, instr.dtype, instr.mesh,
-                          instr.dst_mesh or instr.mesh, self.group_of, self.device)
+                          instr.dst_mesh or instr.mesh, self.group_of, self.device, self.pool)
         try:
             for step in instr.steps:
                 if step.kind == "send_recv":
@@ -153,11 +166,24 @@ class Interpreter:
                             self.rank, "redistribute", "the shard sent to this rank was computed "
                             "from a failed op on its source rank", ""))
                 elif coord is not None:
-                    value = run_step(step, value, ctx)
+                    value, peer = run_step(step, value, ctx, poison is not None)
+                    if peer is not None and poison is None:
+                        poison = Poison(RemoteFailure(
+                            self.rank, "redistribute", f"rank {peer}'s input to this "
+                            f"{step.kind} came from a failed op; dtorch.synchronize() raises "
+                            f"that failure with its traceback", ""))
                 if step.kind in COLLECTIVES and any(self.rank in g for g in step.groups):
                     self.counts[step.kind] += 1
         except Exception as exc:  # noqa: BLE001
-            poison = poison or self._fail("redistribute", exc)
+            failure = self._fail("redistribute", exc)
+            if is_comm_failure(exc):
+                self.broken = failure.failure._replace(
+                    message=failure.failure.message + " - a collective failed between ranks, so "
+                    "they may be out of step; call dtorch.restart()")
+                if self.errors and self.errors[-1] is failure.failure:
+                    self.errors[-1] = self.broken  # synchronize() says so too
+                failure = Poison(self.broken)
+            poison = poison or failure
         if value is not None or poison is not None:
             self.store[instr.out] = poison if poison is not None else value
 
@@ -200,11 +226,18 @@ class Interpreter:
 
     def _sync(self, instr: m.Sync):
         errors, self.errors = self.errors, []
+        if self.dropped_errors:
+            errors.append(RemoteFailure(self.rank, "synchronize", f"{self.dropped_errors} more "
+                                        f"failures were not kept", ""))
+            self.dropped_errors = 0
         return instr.req, ("ok", errors)
 
     def _free(self, instr: m.Free):
         for tid in instr.tids:
-            self.store.pop(tid, None)
+            value = self.store.pop(tid, None)
+            if isinstance(value, torch.Tensor):
+                self.pool.give_back(value)  # reused only if nothing else can reach it
+            del value
 
     # introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -43,36 +43,47 @@ def _collective_timeout() -> float:
     return float(os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "60"))
 
 
-def init(n_workers: int | None = None, address: str | None = None, device_type: str = "cpu",
-         **dask_kwargs) -> Controller:
+def init(n_workers: int | None = None, address: str | None = None,
+         device_type: str | None = None, **dask_kwargs) -> Controller:
     """Start the embedded cluster (or join ``address``) and bring up one rank per worker.
 
-    Calling it again with the same arguments returns the running session; with a different
-    size while DTensors are alive it raises.
+    ``device_type`` is ``"cpu"`` unless given. Calling it again with arguments the running
+    cluster satisfies (same size, device type, address) returns it; asking for a different
+    cluster while DTensors are alive raises, otherwise the old one is shut down first.
     """
     global _controller, _init_args
-    if device_type not in ("cpu", "cuda"):
+    if device_type not in (None, "cpu", "cuda"):
         raise ClusterError(f"device_type must be 'cpu' or 'cuda'; got {device_type!r}")
     args = dict(n_workers=n_workers, address=address, device_type=device_type, **dask_kwargs)
     if _controller is not None and not _controller.closed:
-        if n_workers is None and address is None and not dask_kwargs or args == _init_args:
+        if _same_cluster(_controller, n_workers, address, device_type, dask_kwargs):
             return _controller
         if _controller.live_tensors > 0:
             raise ClusterError(
-                f"dtorch is already running {_controller.world} ranks with "
-                f"{_controller.live_tensors} DTensors alive; delete them or call "
+                f"dtorch is already running {_controller.world} {_controller.device_type} ranks "
+                f"with {_controller.live_tensors} DTensors alive; delete them or call "
                 f"dtorch.shutdown() before dtorch.init(...) with a different cluster")
         shutdown()
     started = time.monotonic()
     _notify("starting", n_workers=n_workers, address=address, device_type=device_type)
     try:
-        _controller = _start(n_workers, address, device_type, dask_kwargs)
+        _controller = _start(n_workers, address, device_type or "cpu", dask_kwargs)
     except BaseException as exc:
         _notify("failed", error=exc)
         raise
     _init_args = args
     _notify("ready", controller=_controller, seconds=time.monotonic() - started)
     return _controller
+
+
+def _same_cluster(c: Controller, n_workers, address, device_type, dask_kwargs) -> bool:
+    """Whether init(...) asks for what is already running (unspecified means "any")."""
+    if dask_kwargs and dask_kwargs != {k: v for k, v in (_init_args or {}).items()
+                                       if k not in ("n_workers", "address", "device_type")}:
+        return False
+    if address is not None and address != (_init_args or {}).get("address"):
+        return False
+    return device_type in (None, c.device_type) and n_workers in (None, c.world)
 
 
 def _start(n_workers, address, device_type, dask_kwargs) -> Controller:

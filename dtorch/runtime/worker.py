@@ -31,6 +31,7 @@ class RankActor:
                  backend: str = "gloo", timeout_s: float = 60.0, seed: int = 0,
                  num_threads: int | None = None, device: str = "cpu"):
         self.rank, self.world = rank, world
+        self.timeout_s = timeout_s
         self._inbox: dict[int, tuple] = {}
         self._next_seq = 0
         self._cv = threading.Condition()
@@ -152,7 +153,8 @@ class RankActor:
         for ranks in groups:
             key = tuple(sorted(ranks))
             if key not in self._groups:
-                self._groups[key] = dist.new_group(list(key), backend=backend)
+                self._groups[key] = dist.new_group(list(key), backend=backend,
+                                                   timeout=timedelta(seconds=self.timeout_s))
 
 
 def _init_failure_answer(instr, failure: RemoteFailure):
