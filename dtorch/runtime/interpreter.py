@@ -244,4 +244,5 @@ class Interpreter:
         tensors = [v for v in self.store.values() if isinstance(v, torch.Tensor)]
         return {"rank": self.rank, "tensors": len(self.store),
                 "bytes": sum(t.numel() * t.element_size() for t in tensors),
-                "counts": dict(self.counts), "instructions": self.instructions}
+                "counts": dict(self.counts), "instructions": self.instructions,
+                "pool_bytes": self.pool.held, "pool_reused": self.pool.reused}
