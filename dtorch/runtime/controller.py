@@ -40,6 +40,12 @@ def remote_error(failure, context: str = "") -> RemoteError:
     return err
 
 
+def _quiet_logs() -> None:
+    """On a worker about to be shut down: its heartbeats may fail while it exits."""
+    import logging
+    logging.getLogger("distributed").setLevel(logging.CRITICAL)
+
+
 async def _all_done(futures) -> None:
     """Wait until every actor future is done (their results are read afterwards)."""
     for fut in futures:
@@ -251,6 +257,8 @@ class Controller:
                 self.flush()
                 for fut in [info.actor.close() for info in self.ranks]:
                     fut.result(timeout=30)
+                if self.cluster is not None:  # our own workers: a quiet exit, no heartbeat noise
+                    self.client.run(_quiet_logs)
         except Exception:  # noqa: BLE001 - a lost worker cannot be closed politely; go on
             pass
         finally:
