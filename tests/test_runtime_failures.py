@@ -212,3 +212,19 @@ def test_failure_on_one_rank_poisons_its_peers_through_a_collective(mesh1d):
     ok = F.embedding(dtorch.tensor(torch.tensor([0, 1, 2, 3]), device_mesh=mesh1d,
                                    placements=[Shard(0)]), emb)
     assert ok.redistribute(placements=[Replicate()]).to_torch().shape == (4, 3)
+
+
+def test_poison_inside_a_list_argument_poisons_the_result(mesh1d):
+    """torch.cat takes its tensors in a list: a failed one in there must poison the output."""
+    bad = complex_max_partial(mesh1d).redistribute(placements=[Shard(0)])
+    good = dtorch.from_local([torch.ones(1, dtype=torch.complex64)] * 4, mesh1d, [Shard(0)],
+                             shape=(4,))
+    from dtorch.runtime import messages as m
+    c = session.get_controller()
+    out = c.new_tid()  # the instruction torch.cat([...]) becomes, with its list argument
+    c.issue(m.Call((out,), torch.cat, ([m.Ref(bad._tid), m.Ref(good._tid)],), {},
+                   mesh1d.ranks))
+    answers = c.wait(c.request(lambda req: m.Fetch(req, out, (0,)), [0]))
+    assert answers[0][0] == "err"
+    with pytest.raises(dtorch.RemoteError):
+        dtorch.synchronize()

@@ -88,12 +88,13 @@ class Controller:
         Handles dropped since the last instruction are freed first, in stream order, so a
         rank can reuse their memory for this very instruction.
         """
-        self._check_open()
-        if self._freed:
-            self._pending.append(self._drain_freed())
-        self._pending.append(instr)
-        if len(self._pending) >= self.max_pending:
-            self.flush()
+        with self._lock:  # ops may be issued from a TensorFuture callback thread too
+            self._check_open()
+            if self._freed:
+                self._pending.append(self._drain_freed())
+            self._pending.append(instr)
+            if len(self._pending) >= self.max_pending:
+                self.flush()
 
     def _drain_freed(self) -> m.Free:
         freed = []
@@ -166,9 +167,10 @@ class Controller:
         """Issue ``make(req)`` (a Fetch or Sync), flush, and return ``{rank: ActorFuture}``."""
         req = next(self._reqs)
         ranks = list(ranks)
-        self._check_open()
-        self._pending.append(make(req))
-        futures = self.flush(req, ranks)
+        with self._lock:
+            self._check_open()
+            self._pending.append(make(req))
+            futures = self.flush(req, ranks)
         for r in ranks:  # a rank whose answer did not ride on the submit asks separately
             if r not in futures:
                 futures[r] = self._call(r, "answer", req)

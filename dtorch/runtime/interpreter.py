@@ -79,6 +79,7 @@ class Interpreter:
         self.make_groups = make_groups
         self.gen = torch.Generator().manual_seed(seed)
         self.instructions = 0
+        self._poisoned_arg: Poison | None = None
         self._handlers = {m.SetupMesh: self._setup_mesh, m.Seed: self._seed,
                           m.Create: self._create, m.Load: self._load,
                           m.Redistribute: self._redistribute, m.Call: self._call,
@@ -189,7 +190,10 @@ class Interpreter:
 
     def _resolve(self, obj):
         if isinstance(obj, m.Ref):
-            return self.store[obj.tid]
+            value = self.store[obj.tid]
+            if isinstance(value, Poison) and self._poisoned_arg is None:
+                self._poisoned_arg = value  # wherever it sits: top level, list, dict
+            return value
         if isinstance(obj, m.Coord):
             return obj.mesh.get_coordinate(self.rank)
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
@@ -202,8 +206,9 @@ class Interpreter:
         if self.rank not in instr.ranks:
             return
         try:
+            self._poisoned_arg = None
             args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
-            poison = next((a for a in (*args, *kwargs.values()) if isinstance(a, Poison)), None)
+            poison = self._poisoned_arg
             if poison is not None:
                 outs = [poison] * len(instr.outs)
             else:
