@@ -31,30 +31,27 @@ class Outputs(NamedTuple):
     value: Any = None
 
 
+def _map_targs(obj, make):
+    """Replace every TArg in ``obj`` (lists, tuples, dicts too) with ``make(TArg)``."""
+    if type(obj) is TArg:
+        return make(obj)
+    if type(obj) is list:
+        return [_map_targs(x, make) for x in obj]
+    if type(obj) is tuple:
+        return tuple(_map_targs(x, make) for x in obj)
+    if type(obj) is dict:
+        return {k: _map_targs(v, make) for k, v in obj.items()}
+    return obj
+
+
 def to_meta(obj):
     """TArg -> empty meta tensor of its global shape; containers recursively."""
-    if type(obj) is TArg:
-        return torch.empty(obj.shape, dtype=obj.dtype, device="meta")
-    if type(obj) is list:
-        return [to_meta(x) for x in obj]
-    if type(obj) is tuple:
-        return tuple(to_meta(x) for x in obj)
-    if type(obj) is dict:
-        return {k: to_meta(v) for k, v in obj.items()}
-    return obj
+    return _map_targs(obj, lambda a: torch.empty(a.shape, dtype=a.dtype, device="meta"))
 
 
 def to_zeros(obj):
     """Like :func:`to_meta` with zero-filled cpu tensors (for error messages only)."""
-    if type(obj) is TArg:
-        return torch.zeros(obj.shape, dtype=obj.dtype)
-    if type(obj) is list:
-        return [to_zeros(x) for x in obj]
-    if type(obj) is tuple:
-        return tuple(to_zeros(x) for x in obj)
-    if type(obj) is dict:
-        return {k: to_zeros(v) for k, v in obj.items()}
-    return obj
+    return _map_targs(obj, lambda a: torch.zeros(a.shape, dtype=a.dtype))
 
 
 def infer_outputs(fn, args, kwargs) -> Outputs:
