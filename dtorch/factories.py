@@ -10,6 +10,8 @@ as ``torch.manual_seed(s); torch.randn(size)`` on one device, whatever the place
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import layout
@@ -25,10 +27,18 @@ _RANDOM = ("rand", "randn", "randint", "randperm")
 def _size(size) -> tuple[int, ...]:
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
+    out = []
     for s in size:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        try:
+            if isinstance(s, bool):
+                raise TypeError
+            n = operator.index(s)  # numpy and torch ints too
+        except TypeError:
+            n = -1
+        if n < 0:
             raise ValueError(f"sizes must be non-negative ints; got {tuple(size)!r}")
-    return tuple(size)
+        out.append(n)
+    return tuple(out)
 
 
 def _mesh(device_mesh, device) -> DeviceMesh:

@@ -193,3 +193,11 @@ def test_repr_of_a_failed_tensor_shows_the_error_instead_of_raising(mesh1d):
         bad.to_torch()
     with pytest.raises(dtorch.RemoteError):
         dtorch.synchronize()
+
+
+def test_sizes_may_be_numpy_ints(mesh1d):
+    import numpy as np
+    d = dtorch.zeros(np.int64(3), np.int32(2), device_mesh=mesh1d)
+    assert d.shape == torch.Size([3, 2])
+    with pytest.raises(ValueError, match="non-negative ints"):
+        dtorch.zeros(2.5, device_mesh=mesh1d)
