@@ -79,9 +79,19 @@ def comm_mimebundle(records, title=None, include=None, exclude=None) -> dict:
 class StaticFallback:
     """Mixin for the views: their mime bundle carries their static picture as ``text/html``
     too, so a saved notebook still shows it where widgets do not render (GitHub, nbconvert).
-    A view defines ``static_html()``."""
+    By default the picture is the view's ``picture`` HTML widget; a view may override
+    ``static_html()`` and ``html``."""
 
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)
         data["text/html"] = self.static_html()
         return data
+
+    def static_html(self) -> str:
+        """The picture as static HTML (also put in the widget's mime bundle)."""
+        return self.picture.value
+
+    @property
+    def html(self) -> str:
+        """The static picture currently shown."""
+        return self.picture.value

@@ -84,15 +84,6 @@ class MeshView(StaticFallback, W.VBox):
         self.buttons.value = NONE if dim is None else self.mesh.dim_index(dim)
         return self
 
-    def static_html(self) -> str:
-        """The picture as static HTML (also put in the widget's mime bundle)."""
-        return self.picture.value
-
-    @property
-    def html(self) -> str:
-        """The static picture currently shown."""
-        return self.picture.value
-
     def _on_pick(self, change) -> None:
         self._redraw()
 

@@ -182,15 +182,6 @@ class ShardView(StaticFallback, W.VBox):
         """Whether per-rank values are drawn (only possible when values were given)."""
         return self.values is not None and self.values_box.value
 
-    def static_html(self) -> str:
-        """The picture as static HTML (also put in the widget's mime bundle)."""
-        return self.picture.value
-
-    @property
-    def html(self) -> str:
-        """The static picture currently shown."""
-        return self.picture.value
-
     def _on_change(self, change) -> None:
         self._redraw()
 
