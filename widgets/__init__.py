@@ -16,7 +16,8 @@ Interactive widgets (``ipywidgets.VBox`` subclasses whose state reads without a 
 
 from .comm_view import CommView
 from .display import comm_mimebundle, dtensor_mimebundle, mesh_mimebundle
-from .html import comm_html, dtensor_html, mesh_html, shard_html
+from .comm_picture import comm_html
+from .html import dtensor_html, mesh_html, shard_html
 from .mesh_view import MeshView
 from .shard_view import ShardView
 from .tiles import Tiling

@@ -2,7 +2,7 @@
 
 Takes the records of a cell or of a ``CommDebugMode`` block (a list of CommRecords, a
 CommLedger, or the mode itself). An ``ipywidgets.VBox`` of a mesh-dim filter, the table from
-:func:`dtorch_widgets.html.comm_table_html` and a matplotlib timeline shown as a PNG image.
+:func:`dtorch_widgets.comm_picture.comm_table_html` and a matplotlib timeline shown as a PNG image.
 Example::
 
     >>> from dtorch.comm_debug import CommRecord
@@ -24,7 +24,7 @@ import ipywidgets as W
 
 from . import svg as S
 from .display import StaticFallback
-from .html import (comm_html, comm_rows, comm_table_html, kind_color, record_dim,
+from .comm_picture import (comm_html, comm_rows, comm_table_html, kind_color, record_dim,
                    records_of)
 
 ALL = "all"

@@ -72,7 +72,7 @@ def comm_mimebundle(records, title=None, include=None, exclude=None) -> dict:
     True
     """
     from .comm_view import CommView
-    from .html import comm_html
+    from .comm_picture import comm_html
     return bundle(comm_html(records, title), lambda: CommView(records, title), include, exclude)
 
 
