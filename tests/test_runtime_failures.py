@@ -214,6 +214,41 @@ def test_failure_on_one_rank_poisons_its_peers_through_a_collective(mesh1d):
     assert ok.redistribute(placements=[Replicate()]).to_torch().shape == (4, 3)
 
 
+def test_a_failure_travels_through_two_collectives_before_anything_is_read(mesh1d):
+    """Rank 3 fails; the all_gather on ranks (2, 3) hands rank 2 zeros, and rank 2 (not
+    poisoned itself, so its own flag says nothing) moves its result on to rank 0, all in one
+    batch: the value read on rank 0 raises all the same."""
+    import torch.nn.functional as F
+    pair, other = DeviceMesh("cpu", [2, 3]), DeviceMesh("cpu", [0, 1])
+    idx = dtorch.tensor(torch.tensor([0, 99]), device_mesh=pair, placements=[Shard(0)])
+    emb = dtorch.tensor(torch.randn(10, 3), device_mesh=pair, placements=[Replicate()])
+    gathered = F.embedding(idx, emb).redistribute(placements=[Replicate()]) * 2
+    moved = gathered.redistribute(device_mesh=other, placements=[Replicate()])
+    with pytest.raises(dtorch.RemoteError, match="rank 3's input to this send_recv"):
+        moved.to_local(0)
+    with pytest.raises(dtorch.RemoteError, match="rank 3"):
+        dtorch.synchronize()
+    ok = dtorch.tensor(torch.arange(4.), device_mesh=pair, placements=[Shard(0)])
+    assert torch.equal(ok.redistribute(placements=[Replicate()])
+                       .redistribute(device_mesh=other, placements=[Replicate()]).to_local(0),
+                       torch.arange(4.))
+
+
+def test_an_unrelated_collective_in_the_same_batch_is_not_poisoned(mesh1d):
+    """Only values that depend on the failed rank's placeholder are poisoned."""
+    import torch.nn.functional as F
+    idx = dtorch.tensor(torch.tensor([0, 1, 2, 99]), device_mesh=mesh1d, placements=[Shard(0)])
+    emb = dtorch.tensor(torch.randn(10, 3), device_mesh=mesh1d, placements=[Replicate()])
+    bad = F.embedding(idx, emb).redistribute(placements=[Replicate()])
+    good = dtorch.arange(8., device_mesh=mesh1d, placements=[Shard(0)]).redistribute(
+        placements=[Replicate()])
+    assert torch.equal(good.to_torch(), torch.arange(8.))
+    with pytest.raises(dtorch.RemoteError, match="rank 3"):
+        bad.to_torch()
+    with pytest.raises(dtorch.RemoteError):
+        dtorch.synchronize()
+
+
 def test_poison_inside_a_list_argument_poisons_the_result(mesh1d):
     """torch.cat takes its tensors in a list: a failed one in there must poison the output."""
     bad = complex_max_partial(mesh1d).redistribute(placements=[Shard(0)])
