@@ -1,21 +1,26 @@
 """redistribute() vs raw torch.distributed doing the same collective on the same bytes.
 
-For each collective a placement change implies on a 4-rank 1-D mesh,
-all_gather (Shard(0)->Replicate), all_to_all (Shard(0)->Shard(1)), all_reduce
+For each collective a placement change implies on a 1-D mesh of 4 ranks (``BENCH_WORLD`` to
+change), all_gather (Shard(0)->Replicate), all_to_all (Shard(0)->Shard(1)), all_reduce
 (Partial->Replicate) and reduce_scatter (Partial->Shard(0)), on a float32 global tensor of
 1 MB, 16 MB and 64 MB (``--quick``: 1 MB and 16 MB):
 
-- reference: 4 processes spawned with torch.multiprocessing, gloo on 127.0.0.1, the same
-  collective on preallocated buffers of the same bytes per rank (all_gather_single,
+- reference: WORLD plain processes spawned with torch.multiprocessing, gloo on 127.0.0.1, the
+  same collective on preallocated buffers of the same bytes per rank (all_gather_single,
   all_to_all_single, all_reduce, reduce_scatter_single: the calls dtorch's workers make),
-  timed inside the ranks between barriers; the slowest rank counts. The note column also compares dtorch with torch
-  allocating a fresh output per op (all_reduce: on a clone), which an out-of-place result
-  like redistribute's needs.
-- dtorch: timed on the controller: issue N ``x.redistribute(...)`` then ``dtorch.synchronize()``,
-  divided by N, after one warm-up (so the batch hop and the final round trip are included,
-  spread over N).
+  timed inside the ranks between barriers; the slowest rank counts. The note column also
+  compares dtorch with torch allocating a fresh output per op (all_reduce: on a clone), which
+  an out-of-place result like redistribute's needs, and, for all_to_all and all_reduce, with
+  a raw torch program doing the whole placement change on preallocated buffers: the
+  collective plus the local copy the move itself needs (packing the column blocks of
+  Shard(0)->Shard(1); copying the input that an out-of-place all_reduce must keep).
+- dtorch: timed on the controller: issue N ``x.redistribute(...)`` then
+  ``dtorch.synchronize()``, divided by N, after one warm-up (so the batch hop and the final
+  round trip are included, spread over N).
 
-Both report the median over repeats; ranks use the same torch thread count. Target: dtorch at
+Both stay up for the whole run and take turns, one timed repeat each (reference, then
+dtorch), so both see the same machine: on a shared VM the load drifts within seconds. Each
+reports the median of its repeats; ranks use the same torch thread count. Target: dtorch at
 most 1.15x the reference for tensors of 16 MB and up (1 MB rows are information only).
 
     .venv/bin/python bench/redistribute_vs_torch.py [--quick]
@@ -30,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import Row, free_port, main, median, rank_threads  # noqa: E402
 
-WORLD = 4
+WORLD = int(os.environ.get("BENCH_WORLD", 4))
 MB = 1 << 20
 KINDS = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
 TARGET = 1.15
@@ -44,13 +49,51 @@ def _shape(nbytes: int) -> tuple[int, int]:
 
 
 def cases(quick: bool) -> list[tuple[str, int, int]]:
-    """(collective, global bytes, ops per timed repeat)."""
-    sizes = {1 * MB: 20, 16 * MB: 4} if quick else {1 * MB: 40, 16 * MB: 6, 64 * MB: 3}
+    """(collective, global bytes, ops per timed repeat: about 0.1-0.3 s each)."""
+    sizes = {1 * MB: 20, 16 * MB: 6} if quick else {1 * MB: 40, 16 * MB: 10, 64 * MB: 4}
     return [(kind, size, n) for size, n in sizes.items() for kind in KINDS]
 
 
 # reference: raw torch.distributed -------------------------------------------------------------
-def _rank_main(rank: int, port: int, todo, repeats: int, queue) -> None:
+def _reference_ops(kind: str, nbytes: int):
+    """Three ways raw torch does it: (the bare collective on preallocated buffers, the same
+    allocating a fresh output each time, the whole placement change on preallocated buffers:
+    the collective plus the local copy the move needs, as a hand-written program would)."""
+    import torch
+    import torch.distributed as dist
+    # the same entry points dtorch.runtime.collectives uses
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    elems = nbytes // 4
+    if kind == "all_gather":  # Shard(0) -> Replicate: the gathered buffer is the result
+        inp, out = torch.ones(elems // WORLD), torch.empty(elems)
+        bare = lambda: gather(out, inp)  # noqa: E731
+        return bare, lambda: gather(torch.empty(elems), inp), bare
+    if kind == "all_to_all":  # Shard(0) -> Shard(1): column blocks must be packed to send
+        rows, cols = _shape(nbytes)
+        local = torch.ones(rows // WORLD, cols)
+        inp, out = torch.ones(elems // WORLD), torch.empty(elems // WORLD)
+        packed = local.view(rows // WORLD, WORLD, cols // WORLD).transpose(0, 1)
+
+        def move():
+            inp.view(packed.shape).copy_(packed)
+            dist.all_to_all_single(out, inp)
+        return (lambda: dist.all_to_all_single(out, inp),
+                lambda: dist.all_to_all_single(torch.empty(elems // WORLD), inp), move)
+    if kind == "all_reduce":  # Partial -> Replicate, out of place: the input stays as it was
+        inp, buf = torch.ones(elems), torch.empty(elems)
+
+        def move():
+            buf.copy_(inp)
+            dist.all_reduce(buf)
+        return lambda: dist.all_reduce(inp), lambda: dist.all_reduce(inp.clone()), move
+    inp, out = torch.ones(elems), torch.empty(elems // WORLD)  # Partial -> Shard(0)
+    bare = lambda: scatter(out, inp)  # noqa: E731
+    return bare, lambda: scatter(torch.empty(elems // WORLD), inp), bare
+
+
+def _rank_main(rank: int, port: int, commands, results) -> None:
+    """One reference rank: times ``(kind, bytes, n)`` commands until it reads None."""
     import torch
     import torch.distributed as dist
     from datetime import timedelta
@@ -58,105 +101,118 @@ def _rank_main(rank: int, port: int, todo, repeats: int, queue) -> None:
     torch.set_num_threads(rank_threads(WORLD))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD, timeout=timedelta(seconds=300))
-    # the same entry points dtorch.runtime.collectives uses
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    results = {}
-    for kind, nbytes, n in todo:
-        elems = nbytes // 4
-        # (preallocated buffers, a fresh output per op as an out-of-place result needs)
-        if kind == "all_gather":
-            inp, out = torch.ones(elems // WORLD), torch.empty(elems)
-            ops = (lambda: gather(out, inp),
-                   lambda: gather(torch.empty(elems), inp))
-        elif kind == "all_to_all":
-            inp, out = torch.ones(elems // WORLD), torch.empty(elems // WORLD)
-            ops = (lambda: dist.all_to_all_single(out, inp),
-                   lambda: dist.all_to_all_single(torch.empty(elems // WORLD), inp))
-        elif kind == "all_reduce":
-            inp = torch.ones(elems)
-            ops = (lambda: dist.all_reduce(inp),
-                   lambda: dist.all_reduce(inp.clone()))
-        else:
-            inp, out = torch.ones(elems), torch.empty(elems // WORLD)
-            ops = (lambda: scatter(out, inp),
-                   lambda: scatter(torch.empty(elems // WORLD), inp))
-        times = [[], []]
+    ops, current = None, None
+    while (cmd := commands[rank].get()) is not None:
+        kind, nbytes, n = cmd
+        if current != (kind, nbytes):
+            ops, current = None, (kind, nbytes)
+            ops = _reference_ops(kind, nbytes)
+            for op in ops:
+                op()  # warm-up
+        took = []
         for op in ops:
-            op()  # warm-up
-        for _ in range(repeats):
-            for op, acc in zip(ops, times):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    op()
-                dist.barrier()
-                acc.append((time.perf_counter() - t0) / n)
-        slowest = torch.tensor(times, dtype=torch.float64)
+            if op is ops[0] and took:  # the whole move is the bare collective: timed already
+                took.append(took[0])
+                continue
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                op()
+            dist.barrier()
+            took.append((time.perf_counter() - t0) / n)
+        slowest = torch.tensor(took, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        results[(kind, nbytes)] = tuple(median(row) for row in slowest.tolist())
-        del ops, inp
-    if rank == 0:
-        queue.put(results)
+        if rank == 0:
+            results.put(tuple(slowest.tolist()))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def reference(todo, repeats: int) -> dict:
-    """``{(kind, bytes): (seconds per collective on preallocated buffers, seconds with a fresh
-    output each time)}`` measured in 4 fresh torch processes."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(free_port(), todo, repeats, queue), nprocs=WORLD,
-                       join=True, start_method="spawn")
-    return queue.get()
+class ReferenceRanks:
+    """WORLD plain torch processes that time one collective on command."""
+
+    def __init__(self):
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
+        self.results = ctx.SimpleQueue()
+        self.procs = mp.start_processes(_rank_main, nprocs=WORLD, join=False,
+                                        args=(free_port(), self.commands, self.results),
+                                        start_method="spawn")
+
+    def time(self, kind: str, nbytes: int, n: int) -> tuple[float, float, float]:
+        """Seconds per op for each of ``_reference_ops``."""
+        for q in self.commands:
+            q.put((kind, nbytes, n))
+        return self.results.get()
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        while not self.procs.join():
+            pass
 
 
 # dtorch -----------------------------------------------------------------------------------------
-def measure_dtorch(todo, repeats: int) -> dict:
-    """``{(kind, bytes): seconds per redistribute}`` timed on the controller."""
+MOVES = {"all_gather": ("S0", "R"), "all_to_all": ("S0", "S1"), "all_reduce": ("P", "R"),
+         "reduce_scatter": ("P", "S0")}
+
+
+def _placement(code: str):
+    from dtorch import Partial, Replicate, Shard
+    return {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}[code]
+
+
+def time_dtorch(x, dst, n: int) -> float:
+    """Seconds per redistribute: n of them, then a synchronize."""
     import dtorch
-    from dtorch import Partial, Replicate, Shard, init_device_mesh
-    moves = {"all_gather": ([Shard(0)], [Replicate()]), "all_to_all": ([Shard(0)], [Shard(1)]),
-             "all_reduce": ([Partial()], [Replicate()]),
-             "reduce_scatter": ([Partial()], [Shard(0)])}
+    dtorch.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.redistribute(placements=[dst])
+    dtorch.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def measure(todo, repeats: int) -> dict:
+    """``{(kind, bytes): (dtorch s, bare collective s, fresh output s, whole move s)}``."""
+    import dtorch
+    from dtorch import init_device_mesh
+    ref = ReferenceRanks()
     dtorch.init(n_workers=WORLD)
-    results = {}
+    out = {}
     try:
         mesh = init_device_mesh("cpu", WORLD)
         for kind, nbytes, n in todo:
-            src, dst = moves[kind]
-            x = dtorch.ones(*_shape(nbytes), device_mesh=mesh, placements=src)
-            x.redistribute(placements=dst)  # warm-up (the result is freed at once)
-            times = []
+            src, dst = (_placement(c) for c in MOVES[kind])
+            x = dtorch.ones(*_shape(nbytes), device_mesh=mesh, placements=[src])
+            x.redistribute(placements=[dst])  # warm-up (the result is freed at once)
+            ours, refs = [], []
             for _ in range(repeats):
-                dtorch.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    x.redistribute(placements=dst)
-                dtorch.synchronize()
-                times.append((time.perf_counter() - t0) / n)
-            results[(kind, nbytes)] = median(times)
+                refs.append(ref.time(kind, nbytes, n))
+                ours.append(time_dtorch(x, dst, n))
+            out[(kind, nbytes)] = (median(ours), *(median(r) for r in zip(*refs)))
+            print(f"[redistribute] {kind} {nbytes // MB} MB: dtorch {median(ours) * 1e3:.2f} ms,"
+                  f" torch {out[(kind, nbytes)][1] * 1e3:.2f} ms", flush=True)
             del x
         dtorch.synchronize()
     finally:
         dtorch.shutdown()
-    return results
+        ref.close()
+    return out
 
 
 def run(quick: bool = False) -> list[Row]:
     todo = cases(quick)
-    repeats = 3 if quick else 5
-    print(f"[redistribute] reference: raw torch.distributed, {len(todo)} cases ...", flush=True)
-    ref = reference(todo, repeats)
-    print("[redistribute] dtorch ...", flush=True)
-    got = measure_dtorch(todo, repeats)
+    print(f"[redistribute] {len(todo)} cases on {WORLD} ranks, dtorch and raw torch.distributed "
+          f"taking turns ...", flush=True)
+    got = measure(todo, 3 if quick else 7)
     rows = []
     for kind, nbytes, n in todo:
-        pre, fresh = ref[(kind, nbytes)]
-        ours = got[(kind, nbytes)]
+        ours, pre, fresh, whole = got[(kind, nbytes)]
         note = f"{ours / fresh:.2f}x torch allocating its output"
+        if kind in ("all_to_all", "all_reduce"):
+            note += f"; {ours / whole:.2f}x torch doing the whole move"
         if nbytes < 16 * MB:
             note += "; info only, target is for >= 16 MB"
         rows.append(Row(f"redistribute {kind} {nbytes // MB} MB", ours, pre, TARGET, note))
