@@ -248,15 +248,26 @@ _RUNNERS = {"all_gather": _all_gather, "all_to_all": _all_to_all, "all_reduce": 
             "reduce_scatter": _reduce_scatter, "slice": _slice, "to_partial": _to_partial}
 
 
-def run_step(step, local: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-    """Apply one mesh-dim step (not ``send_recv``) and return this rank's new local tensor.
+def run_step(step, local: torch.Tensor, ctx: StepContext,
+             poisoned: bool = False) -> tuple[torch.Tensor, int | None]:
+    """Apply one mesh-dim step (not ``send_recv``).
 
-    A poisoned input takes part like any other (zeros of the right shape); the interpreter's
-    poison check (``poison_check.py``) poisons the peers' results before anyone reads them.
+    Returns this rank's new local tensor and the highest rank of the group that came in
+    poisoned (None if none did): a one-element MAX all_reduce of the flags runs beside every
+    collective (overlapped with it), so a failure on one rank poisons its peers' outputs
+    instead of handing them zeros.
     """
     group = _my_group(step, ctx.rank)
-    pg = ctx.group_of(group) if step.is_collective else None
-    return _RUNNERS[step.kind](step, local, ctx, group, pg)
+    if not step.is_collective:
+        return _RUNNERS[step.kind](step, local, ctx, group, None), None
+    pg = ctx.group_of(group)
+    flag = torch.tensor([ctx.rank + 1 if poisoned else 0], dtype=torch.int32, device=ctx.device)
+    flag_work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg, async_op=True)
+    try:
+        out = _RUNNERS[step.kind](step, local, ctx, group, pg)
+    finally:
+        flag_work.wait()
+    return out, (int(flag.item()) - 1 if flag.item() else None)
 
 
 def is_comm_failure(exc: BaseException) -> bool:

@@ -3,9 +3,7 @@
 It owns the store ``{tensor id: local torch.Tensor}``. A failed instruction does not stop the
 stream: its outputs become :class:`Poison` values carrying the error, later instructions that
 read them are poisoned too, and a poisoned rank still takes part in every collective it is named
-in (with zeros of the shape the metadata gives) so its peers never wait for it. The peers'
-results of such a collective are poisoned at the next check (``poison_check.py``): before any
-value is read and at the end of every batch. Example::
+in (with zeros of the shape the metadata gives) so its peers never wait for it. Example::
 
     interp = Interpreter(rank=0, group_of=lambda ranks: None)
     interp.execute(Create(...))
@@ -25,7 +23,6 @@ from . import messages as m
 from .buffers import BufferPool
 from .wire import pack, unpack
 from .collectives import StepContext, is_comm_failure, run_step, send_recv
-from .poison_check import CHECKED_KINDS, PoisonWindow
 
 
 class RemoteFailure(NamedTuple):
@@ -69,8 +66,7 @@ class Interpreter:
 
     def __init__(self, rank: int, group_of: Callable[[tuple[int, ...]], object],
                  make_groups: Callable[[tuple, str], None] | None = None, seed: int = 0,
-                 device: str = "cpu",
-                 exchange_flags: Callable[[torch.Tensor], None] | None = None):
+                 device: str = "cpu"):
         self.rank = rank
         self.device = torch.device(device)
         self.pool = BufferPool()
@@ -84,9 +80,6 @@ class Interpreter:
         self.gen = torch.Generator().manual_seed(seed)
         self.instructions = 0
         self._poisoned_arg: Poison | None = None
-        self._arg_tids: list[int] = []
-        self.window = PoisonWindow(rank)
-        self.exchange_flags = exchange_flags  # MAX all_reduce over all ranks (None: alone)
         self._handlers = {m.SetupMesh: self._setup_mesh, m.Seed: self._seed,
                           m.Create: self._create, m.Load: self._load,
                           m.Redistribute: self._redistribute, m.Call: self._call,
@@ -97,45 +90,7 @@ class Interpreter:
         """Run one instruction; returns ``(req, answer)`` for Fetch/Sync, else None."""
         self.instructions += 1
         self._staged = staged
-        if self.window.pending and type(instr) in (m.Fetch, m.Sync):
-            self.settle()  # nothing is read before the ranks compared notes
         return self._handlers[type(instr)](instr)
-
-    def end_batch(self) -> None:
-        """Called after each batch: settle the poison notes of its collectives."""
-        if self.window.pending:
-            self.settle()
-
-    def settle(self) -> None:
-        """Poison every value computed from a collective that some rank entered poisoned."""
-        if self.broken is not None:  # no collective may run now: distrust all recent results
-            doomed = {tid: self.broken for tid in self.window.tracked()}
-            self.window = PoisonWindow(self.rank)
-        else:
-            try:
-                doomed = {tid: RemoteFailure(
-                    self.rank, "redistribute", f"rank {peer}'s input to this {kind} came from a "
-                    f"failed op; dtorch.synchronize() raises that failure with its traceback", "")
-                    for tid, (peer, kind) in self.window.settle(self.exchange_flags).items()}
-            except Exception as exc:  # noqa: BLE001 - the check itself failed between ranks
-                failure = self._fail("poison check", exc).failure
-                if is_comm_failure(exc):
-                    self._mark_broken(failure)
-                doomed = {tid: self.broken or failure for tid in self.window.tracked()}
-                self.window = PoisonWindow(self.rank)
-        for tid, failure in doomed.items():
-            if isinstance(self.store.get(tid), torch.Tensor):
-                self.pool.give_back(self.store.pop(tid))
-                self.store[tid] = Poison(failure)
-
-    def _mark_broken(self, failure: RemoteFailure) -> RemoteFailure:
-        """A collective failed between ranks: refuse further collectives until restart()."""
-        self.broken = failure._replace(
-            message=failure.message + " - a collective failed between ranks, so they may be "
-            "out of step; call dtorch.restart()")
-        if self.errors and self.errors[-1] is failure:
-            self.errors[-1] = self.broken  # synchronize() says so too
-        return self.broken
 
     def _fail(self, op: str, exc: BaseException) -> Poison:
         failure = RemoteFailure(self.rank, op, f"{type(exc).__name__}: {exc}",
@@ -187,15 +142,10 @@ class Interpreter:
             self.store[instr.tid] = unpack(self._staged[instr.tid]).to(self.device)
 
     def _redistribute(self, instr: m.Redistribute):
-        checked = [s for s in instr.steps if s.kind in CHECKED_KINDS]
         if self.rank not in instr.ranks:
-            if checked:
-                self.window.collective(checked[0].kind, instr.src, None, False, member=False)
             return
         if self.broken is not None:  # never start a collective the peers may not be in
             self.store[instr.out] = Poison(self.broken)
-            if checked:
-                self.window.collective(checked[0].kind, instr.src, None, False, member=False)
             return
         value = self.store.get(instr.src)
         poison = value if isinstance(value, Poison) else None
@@ -206,10 +156,6 @@ class Interpreter:
             value = torch.zeros(layout.local_shape(instr.shape, instr.mesh,
                                                    instr.steps[0].before, coord),
                                 dtype=instr.dtype, device=self.device)
-        if checked:
-            took_part = any(self.rank in pair for s in checked for pair in s.groups)
-            self.window.collective(checked[0].kind, instr.src, instr.out, poison is not None,
-                                   member=took_part)
         ctx = StepContext(self.rank, instr.shape, instr.dtype, instr.mesh,
                           instr.dst_mesh or instr.mesh, self.group_of, self.device, self.pool)
         try:
@@ -221,20 +167,29 @@ class Interpreter:
                             self.rank, "redistribute", "the shard sent to this rank was computed "
                             "from a failed op on its source rank", ""))
                 elif coord is not None:
-                    value = run_step(step, value, ctx)
+                    value, peer = run_step(step, value, ctx, poison is not None)
+                    if peer is not None and poison is None:
+                        poison = Poison(RemoteFailure(
+                            self.rank, "redistribute", f"rank {peer}'s input to this "
+                            f"{step.kind} came from a failed op; dtorch.synchronize() raises "
+                            f"that failure with its traceback", ""))
                 if step.kind in COLLECTIVES and any(self.rank in g for g in step.groups):
                     self.counts[step.kind] += 1
         except Exception as exc:  # noqa: BLE001
             failure = self._fail("redistribute", exc)
             if is_comm_failure(exc):
-                failure = Poison(self._mark_broken(failure.failure))
+                self.broken = failure.failure._replace(
+                    message=failure.failure.message + " - a collective failed between ranks, so "
+                    "they may be out of step; call dtorch.restart()")
+                if self.errors and self.errors[-1] is failure.failure:
+                    self.errors[-1] = self.broken  # synchronize() says so too
+                failure = Poison(self.broken)
             poison = poison or failure
         if value is not None or poison is not None:
             self.store[instr.out] = poison if poison is not None else value
 
     def _resolve(self, obj):
         if isinstance(obj, m.Ref):
-            self._arg_tids.append(obj.tid)
             value = self.store[obj.tid]
             if isinstance(value, Poison) and self._poisoned_arg is None:
                 self._poisoned_arg = value  # wherever it sits: top level, list, dict
@@ -251,10 +206,9 @@ class Interpreter:
         if self.rank not in instr.ranks:
             return
         try:
-            self._poisoned_arg, self._arg_tids = None, []
+            self._poisoned_arg = None
             args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
             poison = self._poisoned_arg
-            self.window.derive(instr.outs, self.window.depends(self._arg_tids))
             if poison is not None:
                 outs = [poison] * len(instr.outs)
             else:
@@ -285,7 +239,6 @@ class Interpreter:
 
     def _free(self, instr: m.Free):
         for tid in instr.tids:
-            self.window.forget(tid)
             value = self.store.pop(tid, None)
             if isinstance(value, torch.Tensor):
                 self.pool.give_back(value)  # reused only if nothing else can reach it

@@ -42,8 +42,7 @@ class RankActor:
         self._ready = threading.Event()
         self._groups: dict[tuple[int, ...], object] = {}
         self.device = device
-        self.interp = Interpreter(rank, self._group_of, self._make_groups, seed, device,
-                                  exchange_flags=self._exchange_flags)
+        self.interp = Interpreter(rank, self._group_of, self._make_groups, seed, device)
         args = (master_addr, master_port, backend, timeout_s, num_threads)
         self._thread = threading.Thread(target=self._run, args=args, daemon=True,
                                         name=f"dtorch-rank-{rank}")
@@ -142,17 +141,8 @@ class RankActor:
                     answer = self.interp.execute(instr, staged)
                 if answer is not None:
                     self._post(*answer)
-            if self._init_error is None:
-                self.interp.end_batch()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-    def _exchange_flags(self, flags) -> None:
-        """MAX all_reduce of the poison-check flags over every rank (the default group)."""
-        import torch.distributed as dist
-        on_device = flags.to(self.device)
-        dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
-        flags.copy_(on_device.cpu())
 
     def _group_of(self, ranks: tuple[int, ...]):
         return self._groups[tuple(sorted(ranks))]
