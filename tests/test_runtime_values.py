@@ -201,3 +201,22 @@ def test_sizes_may_be_numpy_ints(mesh1d):
     assert d.shape == torch.Size([3, 2])
     with pytest.raises(ValueError, match="non-negative ints"):
         dtorch.zeros(2.5, device_mesh=mesh1d)
+
+
+def test_a_read_of_an_idle_cluster_runs_on_the_event_loop_and_never_overtakes(mesh1d):
+    """A batch of only reads and frees runs on the worker's event loop when the interpreter is
+    idle (no thread hop), but never ahead of a batch the interpreter is still running."""
+    import time
+    from dtorch.runtime import messages as m
+    from dtorch.runtime import session
+    c = session.get_controller()
+    x = dtorch.ones(8, device_mesh=mesh1d, placements=[Shard(0)])
+    dtorch.synchronize()
+    before = [s["inline_batches"] for s in c.stats()]
+    assert torch.equal(x.to_torch(), torch.ones(8))
+    after = [s["inline_batches"] for s in c.stats()]
+    assert all(a == b + 1 for a, b in zip(after, before)), (before, after)
+    c.issue(m.Call((c.new_tid(),), time.sleep, (0.5,), {}, mesh1d.ranks))
+    x.add_(1)
+    c.flush()  # the slow batch is on its way; the read below is a quick batch behind it
+    assert torch.equal(x.to_torch(), torch.full((8,), 2.))

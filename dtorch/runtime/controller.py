@@ -27,6 +27,10 @@ from .wire import pack
 
 _generations = itertools.count(1)
 
+# instructions that neither compute nor communicate: a batch of only these may run on the
+# worker's event loop when its interpreter is idle (no thread hop: reads answer sooner)
+_QUICK = (m.Fetch, m.Sync, m.Free)
+
 
 def remote_error(failure, context: str = "") -> RemoteError:
     """A controller-side exception for a failure on a rank, with the remote traceback."""
@@ -46,13 +50,16 @@ def _quiet_logs() -> None:
     logging.getLogger("distributed").setLevel(logging.CRITICAL)
 
 
-async def _all_done(futures) -> None:
-    """Wait until every actor future is done (their results are read afterwards)."""
-    for fut in futures:
+async def _answers_of(futures: dict) -> dict:
+    """``{rank: (True, result) or (False, exception)}`` once every actor future is done, read
+    on the event loop: one hop for all of them (``ActorFuture.result()`` is a hop each)."""
+    out = {}
+    for rank, fut in futures.items():
         try:
-            await fut
-        except Exception:  # noqa: BLE001 - Controller.wait reads each result and raises
-            pass
+            out[rank] = (True, await fut)
+        except Exception as exc:  # noqa: BLE001 - Controller.wait raises it as a lost worker
+            out[rank] = (False, exc)
+    return out
 
 
 class Controller:
@@ -147,6 +154,7 @@ class Controller:
                 return {}
             self._check_open()
             payload = pickle.dumps(self._pending, protocol=pickle.HIGHEST_PROTOCOL)
+            quick = all(type(i) in _QUICK for i in self._pending)
             staged, self._staged = self._staged, {}
             self._pending = []
             seq, self._seq = self._seq, self._seq + 1
@@ -157,7 +165,7 @@ class Controller:
                 for info in self.ranks:
                     wanted = answer if info.rank in answer_ranks else None
                     fut = self._call(info.rank, "submit", seq, payload, blobs.get(info.rank),
-                                     wanted)
+                                     wanted, quick)
                     if wanted is not None:
                         futures[info.rank] = fut
             return futures
@@ -187,25 +195,23 @@ class Controller:
         """Wait for answers, checking every ``poll_s`` that the ranks' workers are alive."""
         from distributed.utils import sync
         start = time.monotonic()
-        while True:
-            pending = [f for f in futures.values() if not f.done()]
-            if not pending:
-                break
+        got: dict = {}
+        while len(got) < len(futures):
+            pending = {r: f for r, f in futures.items() if r not in got}
             left = None if timeout is None else timeout - (time.monotonic() - start)
             if left is not None and left <= 0:
-                late = sorted(r for r, f in futures.items() if not f.done())
-                raise TimeoutError(f"no answer from ranks {late} within {timeout}s")
+                raise TimeoutError(f"no answer from ranks {sorted(pending)} within {timeout}s")
             try:
-                sync(self.client.loop, _all_done, pending,
-                     callback_timeout=self.poll_s if left is None else min(self.poll_s, left))
-            except TimeoutError:
-                self.check_alive([r for r, f in futures.items() if not f.done()])
+                got.update(sync(self.client.loop, _answers_of, pending, callback_timeout=
+                                self.poll_s if left is None else min(self.poll_s, left)))
+            except TimeoutError:  # answers already in are read again next round
+                self.check_alive([r for r, f in pending.items() if not f.done()])
         out = {}
-        for rank, fut in futures.items():
-            try:
-                out[rank] = fut.result()
-            except Exception as exc:  # the actor call itself failed: the worker is gone
-                raise self._lost(rank, exc) from exc
+        for rank in futures:
+            ok, value = got[rank]
+            if not ok:  # the actor call itself failed: the worker is gone
+                raise self._lost(rank, value) from value
+            out[rank] = value
         return out
 
     def check_alive(self, ranks=None) -> None:
