@@ -210,11 +210,17 @@ def test_a_read_of_an_idle_cluster_runs_on_the_event_loop_and_never_overtakes(me
     from dtorch.runtime import messages as m
     from dtorch.runtime import session
     c = session.get_controller()
+    import gc
     x = dtorch.ones(8, device_mesh=mesh1d, placements=[Shard(0)])
-    dtorch.synchronize()
-    before = [s["inline_batches"] for s in c.stats()]
-    assert torch.equal(x.to_torch(), torch.ones(8))
-    after = [s["inline_batches"] for s in c.stats()]
+    gc.collect()  # no handle of an earlier test may be freed (a batch of its own) meanwhile
+    gc.disable()
+    try:
+        dtorch.synchronize()
+        before = [s["inline_batches"] for s in c.stats()]
+        assert torch.equal(x.to_torch(), torch.ones(8))
+        after = [s["inline_batches"] for s in c.stats()]
+    finally:
+        gc.enable()
     assert all(a == b + 1 for a, b in zip(after, before)), (before, after)
     c.issue(m.Call((c.new_tid(),), time.sleep, (0.5,), {}, mesh1d.ranks))
     x.add_(1)
