@@ -226,3 +226,17 @@ def test_a_read_of_an_idle_cluster_runs_on_the_event_loop_and_never_overtakes(me
     x.add_(1)
     c.flush()  # the slow batch is on its way; the read below is a quick batch behind it
     assert torch.equal(x.to_torch(), torch.full((8,), 2.))
+
+
+def test_rank_processes_run_without_dask_housekeeping_noise(mesh1d):
+    """The embedded cluster's workers start with Dask's profiler off and slow monitors (they
+    take cores from gloo); a setting the user made is kept."""
+    import dask
+    from dtorch.runtime import session
+    from dtorch.runtime.cluster import _QUIET_WORKERS, _user_set
+    got = session.get_controller().client.run(
+        lambda: [dask.config.get(k) for k in _QUIET_WORKERS])
+    assert all(v == list(_QUIET_WORKERS.values()) for v in got.values()), got
+    assert not _user_set("distributed.admin.tick.interval")
+    with dask.config.set({"distributed.admin.tick.interval": "50ms"}):
+        assert _user_set("distributed.admin.tick.interval")
