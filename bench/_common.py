@@ -53,6 +53,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def barrier_timed(fn, n: int) -> float:
+    """Seconds per call of ``fn``, run ``n`` times between two barriers (inside a rank)."""
+    import time
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - t0) / n
+
+
 def rank_threads(world: int) -> int:
     """Torch threads per rank: the same formula dtorch uses (dtorch.runtime.cluster.local_threads)."""
     return max(1, (os.cpu_count() or 1) // max(1, world))

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, free_port, main, median, rank_threads  # noqa: E402
+from _common import Row, barrier_timed, free_port, main, median, rank_threads  # noqa: E402
 
 WORLD = 4
 CHAIN_OPS = 500
@@ -71,15 +71,7 @@ def _rank_main(rank: int, port: int, repeats: int, queue) -> None:
 
     def timed(fn, n):
         fn()  # warm-up
-        out = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            dist.barrier()
-            out.append((time.perf_counter() - t0) / n)
-        return median(out)
+        return median([barrier_timed(fn, n) for _ in range(repeats)])
 
     results = torch.tensor([timed(lambda: chain(x), 1),
                             timed(lambda: mlp(xin, w1, w2, replicate), 10)],

@@ -33,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, free_port, main, median, rank_threads  # noqa: E402
+from _common import Row, barrier_timed, free_port, main, median, rank_threads  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", 4))
 MB = 1 << 20
@@ -105,21 +105,12 @@ def _rank_main(rank: int, port: int, commands, results) -> None:
     while (cmd := commands[rank].get()) is not None:
         kind, nbytes, n = cmd
         if current != (kind, nbytes):
-            ops, current = None, (kind, nbytes)
-            ops = _reference_ops(kind, nbytes)
+            ops, current = _reference_ops(kind, nbytes), (kind, nbytes)
             for op in ops:
                 op()  # warm-up
         took = []
-        for op in ops:
-            if op is ops[0] and took:  # the whole move is the bare collective: timed already
-                took.append(took[0])
-                continue
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                op()
-            dist.barrier()
-            took.append((time.perf_counter() - t0) / n)
+        for op in ops:  # where the whole move is the bare collective, it is timed once
+            took.append(took[0] if op is ops[0] and took else barrier_timed(op, n))
         slowest = torch.tensor(took, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if rank == 0:
@@ -154,13 +145,11 @@ class ReferenceRanks:
 
 
 # dtorch -----------------------------------------------------------------------------------------
-MOVES = {"all_gather": ("S0", "R"), "all_to_all": ("S0", "S1"), "all_reduce": ("P", "R"),
-         "reduce_scatter": ("P", "S0")}
-
-
-def _placement(code: str):
+def _moves() -> dict:
+    """The placement change (source, target) that implies each collective."""
     from dtorch import Partial, Replicate, Shard
-    return {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}[code]
+    return {"all_gather": (Shard(0), Replicate()), "all_to_all": (Shard(0), Shard(1)),
+            "all_reduce": (Partial(), Replicate()), "reduce_scatter": (Partial(), Shard(0))}
 
 
 def time_dtorch(x, dst, n: int) -> float:
@@ -184,7 +173,7 @@ def measure(todo, repeats: int) -> dict:
     try:
         mesh = init_device_mesh("cpu", WORLD)
         for kind, nbytes, n in todo:
-            src, dst = (_placement(c) for c in MOVES[kind])
+            src, dst = _moves()[kind]
             x = dtorch.ones(*_shape(nbytes), device_mesh=mesh, placements=[src])
             x.redistribute(placements=[dst])  # warm-up (the result is freed at once)
             ours, refs = [], []

@@ -108,17 +108,20 @@ def _same(self, *args, **kwargs):
     return self
 
 
+def _stays_on_its_mesh(op, device_type: str, fix: str):
+    """``x.cpu()`` / ``x.cuda()``: nothing moves (a DTensor's device is its mesh's), so only a
+    mesh of that device type is accepted."""
+    if op.mesh.device_type != device_type:
+        raise ValueError(f"{op.name}: this DTensor lives on a {op.mesh.device_type!r} mesh; "
+                         f"{fix}")
+    return Decision((op.tensors[0].placements,), _same, (op.tensors[0],), {})
+
+
 @rule(torch.Tensor.cpu, family="cast", meta=_same, arg_names=("input",))
 def cpu_rule(op):
-    if op.mesh.device_type != "cpu":
-        raise ValueError(f"{op.name}: this DTensor lives on a {op.mesh.device_type!r} mesh; "
-                         f"use .to_torch() to get a local cpu tensor")
-    return Decision((op.tensors[0].placements,), _same, (op.tensors[0],), {})
+    return _stays_on_its_mesh(op, "cpu", "use .to_torch() to get a local cpu tensor")
 
 
 @rule(torch.Tensor.cuda, family="cast", meta=_same, arg_names=("input",))
 def cuda_rule(op):
-    if op.mesh.device_type != "cuda":
-        raise ValueError(f"{op.name}: this DTensor lives on a {op.mesh.device_type!r} mesh; a "
-                         f"DTensor's device is set by its mesh")
-    return Decision((op.tensors[0].placements,), _same, (op.tensors[0],), {})
+    return _stays_on_its_mesh(op, "cuda", "a DTensor's device is set by its mesh")
