@@ -1,4 +1,5 @@
-"""Shared fixtures: one real 4-rank Dask cluster for the whole test session."""
+"""Shared fixtures: one real 4-rank Dask cluster for the whole test session, and the pure
+meshes the planner and layout tests use (no cluster)."""
 
 import pytest
 
@@ -28,4 +29,16 @@ def mesh1d(live):
 
 @pytest.fixture
 def mesh2d(live):
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
+@pytest.fixture
+def m4():
+    """A 1-D mesh of 4 ranks for pure (no cluster) tests."""
+    return init_device_mesh("cpu", 4)
+
+
+@pytest.fixture
+def m22():
+    """A 2x2 ("dp", "tp") mesh for pure (no cluster) tests."""
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -13,11 +13,6 @@ from dtorch.layout import (chunk_sizes, holds_value, local_offset, local_shape, 
                            normalize_placements, rank_block, rank_blocks, shard_of)
 
 
-@pytest.fixture
-def m22():
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-
-
 # chunk sizes ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("size", range(0, 21))
 @pytest.mark.parametrize("n", range(1, 9))

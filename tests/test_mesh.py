@@ -10,11 +10,6 @@ import dtorch
 from dtorch import DeviceMesh, MeshError, init_device_mesh
 
 
-@pytest.fixture
-def m22():
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-
-
 # seed 002 ------------------------------------------------------------------------------------
 def test_seed_2x2_mesh_is_rows_of_ranks(m22):
     assert m22.mesh.tolist() == [[0, 1], [2, 3]]
