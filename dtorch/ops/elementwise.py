@@ -12,6 +12,8 @@ the pending reduction (``neg``, ``clone``, eval-mode ``dropout``; see
 
 from __future__ import annotations
 
+import torch
+
 from .binary import broadcast_rule, operands_of
 from .registry import rule
 
@@ -52,6 +54,18 @@ rule("clone", "detach", "positive", "__pos__", "alias", family="unary",
      arg_names=("input",))(_identity)
 rule("detach_", "zero_", family="unary", inplace=True, arg_names=("input",))(_identity)
 rule("fill_", family="unary", inplace=True, arg_names=("input", "value"))(unary_rule("fill"))
+
+# complex parts: linear, so P(sum|avg) commutes. A lazy conj view cannot be read back from a
+# rank, so the ranks materialize the conjugate (same values).
+_linear = unary_rule("linear")
+rule("real", "imag", "conj_physical", family="unary", arg_names=("input",))(_linear)
+rule("resolve_conj", "resolve_neg", family="unary", arg_names=("input",))(_identity)
+
+
+@rule("conj", family="unary", arg_names=("input",))
+def conj_rule(op):
+    return broadcast_rule(op, operands_of(op, ("input",)), "linear", fn=torch.conj_physical)
+
 
 # activations: F.<name> (and torch.<name> / Tensor.<name> where torch has them)
 rule(*ACTIVATIONS, family="activation", arg_names=("input",))(_none)

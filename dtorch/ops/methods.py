@@ -1,21 +1,33 @@
-"""Tensor methods and properties on DTensors: ``x.sum(0)``, ``x.view(2, -1)``, ``x.T``.
+"""Tensor methods and properties on DTensors: ``x.sum(0)``, ``x.view(2, -1)``, ``x.T``, ``x.mH``.
 
 ``DTensor.__getattr__`` ends here for any name it does not define itself: a method of
-``torch.Tensor`` becomes a bound dispatcher, a few metadata properties are answered from the
-spec. Example::
+``torch.Tensor`` becomes a bound dispatcher, and every public property of ``torch.Tensor`` is
+either computed by dispatching ops (``T mT H mH real imag``) or answered from the spec
+(``device``, ``is_cuda``, ``grad`` ...): a DTensor has no autograd, no sparse or quantized
+layout and lives on its mesh's device. A property with no answer raises
+:class:`UnsupportedAttributeError` (an ``AttributeError``, so ``hasattr`` stays False), and a
+method DTensors cannot have (autograd, raw memory) raises ``UnsupportedOpError`` when called,
+saying what to do instead. Example::
 
     >>> import torch
     >>> tensor_method("softmax") is tensor_method("softmax")
     True
+    >>> sorted(PROPERTIES)[:4]
+    ['H', 'T', 'data', 'device']
 """
 
 from __future__ import annotations
 
 import torch
 
-from .dispatch import dispatch
+from ..errors import DTorchError
+from .dispatch import UnsupportedOpError, dispatch
 
 _methods: dict = {}
+
+
+class UnsupportedAttributeError(DTorchError, AttributeError):
+    """A ``torch.Tensor`` attribute that DTensors do not have (``hasattr`` gives False)."""
 
 
 def tensor_method(name: str):
@@ -32,42 +44,139 @@ def tensor_method(name: str):
     return fn
 
 
+# properties computed by ops -----------------------------------------------------------------------
+def _torch_check(x, name: str) -> None:
+    """Raise the error torch raises for ``t.<name>`` on a tensor of ``x``'s shape and dtype."""
+    getattr(torch.empty(x.shape, dtype=x.dtype, device="meta"), name)
+
+
+def _conj(x):
+    return dispatch(torch.conj, None, (x,)) if x.dtype.is_complex else x
+
+
 def _T(x):
     return dispatch(torch.Tensor.permute, None, (x, tuple(range(x.ndim - 1, -1, -1))))
 
 
-def _mT(x):
+def _mT(x, name="mT"):
+    if x.ndim == 1:
+        _torch_check(x, name)
+    if x.ndim == 0:
+        return dispatch(torch.Tensor.permute, None, (x, ()))
     return dispatch(torch.Tensor.transpose, None, (x, -2, -1))
 
 
-_PROPERTIES = {
-    "T": _T,
-    "mT": _mT,
-    "device": lambda x: torch.device(x.device_mesh.device_type),
-    "is_cuda": lambda x: x.device_mesh.device_type == "cuda",
-    "is_cpu": lambda x: x.device_mesh.device_type == "cpu",
-    "requires_grad": lambda x: False,
-    "grad": lambda x: None,
-    "is_leaf": lambda x: True,
+def _H(x):
+    """``x.H``: the conjugate transpose of a matrix (0-D: the conjugate)."""
+    if x.ndim not in (0, 2):
+        _torch_check(x, "H")
+    return _conj(_T(x))
+
+
+def _mH(x):
+    """``x.mH``: the conjugate transpose of the last two dims."""
+    return _conj(_mT(x, "mH"))
+
+
+def _real(x):
+    return dispatch(torch.real, None, (x,))
+
+
+def _imag(x):
+    return dispatch(torch.imag, None, (x,))
+
+
+def _device(x):
+    return torch.device(x.device_mesh.device_type)
+
+
+def _on(device_type: str):
+    """``is_cuda``-style flags: whether the mesh is of that device type."""
+    return lambda x: x.device_mesh.device_type == device_type
+
+
+def _false(x):
+    return False
+
+
+def _none(x):
+    return None
+
+
+PROPERTIES = {
+    "T": _T, "mT": _mT, "H": _H, "mH": _mH, "real": _real, "imag": _imag,
+    "data": lambda x: x,
+    "device": _device,
     "layout": lambda x: torch.strided,
-    "is_sparse": lambda x: False,
-    "is_quantized": lambda x: False,
-    "is_meta": lambda x: False,
     "itemsize": lambda x: x.dtype.itemsize,
     "nbytes": lambda x: x.numel() * x.dtype.itemsize,
-    "data": lambda x: x,
+    # no autograd on DTensors
+    "requires_grad": _false, "grad": _none, "grad_fn": _none, "is_leaf": lambda x: True,
+    "retains_grad": _false, "output_nr": lambda x: 0, "grad_dtype": lambda x: x.dtype,
+    "volatile": _false, "name": _none,
+    # layouts DTensors do not have
+    "is_sparse": _false, "is_sparse_csr": _false, "is_quantized": _false, "is_mkldnn": _false,
+    "is_nested": _false,
+    **{f"is_{d}": _on(d) for d in ("cpu", "cuda", "xpu", "mps", "ipu", "maia", "mtia", "xla",
+                                   "vulkan", "meta")},
 }
+
+# public torch.Tensor properties DTensors do not provide: name -> what to do instead
+UNSUPPORTED: dict[str, str] = {}
+
+# methods that cannot have a DTensor meaning: name -> what to do instead
+_NO_AUTOGRAD = ("dtorch has no autograd yet; gather with .to_torch() and use plain torch for "
+                "gradients")
+_NO_MEMORY = ("a DTensor's memory is spread over the ranks' processes; use .to_torch() for a "
+              "local tensor, or .to_local(rank) for one rank's shard")
+UNSUPPORTED_METHODS = {
+    "backward": _NO_AUTOGRAD, "register_hook": _NO_AUTOGRAD,
+    "register_post_accumulate_grad_hook": _NO_AUTOGRAD, "retain_grad": _NO_AUTOGRAD,
+    "data_ptr": _NO_MEMORY, "storage": _NO_MEMORY, "untyped_storage": _NO_MEMORY,
+    "share_memory_": _NO_MEMORY, "pin_memory": _NO_MEMORY, "record_stream": _NO_MEMORY,
+}
+
+
+def _refuse(name: str, advice: str):
+    def refused(self, *args, **kwargs):
+        raise UnsupportedOpError(f"Tensor.{name} is not supported on DTensors: {advice}")
+    refused.__name__ = name
+    return refused
+
+
+def _requires_grad_(self, requires_grad: bool = True):
+    """``x.requires_grad_(False)`` is a no-op; ``True`` raises (no autograd)."""
+    if requires_grad:
+        raise UnsupportedOpError(f"Tensor.requires_grad_ is not supported on DTensors: "
+                                 f"{_NO_AUTOGRAD}")
+    return self
 
 
 def attribute(x, name: str):
     """``x.<name>`` for a name DTensor does not define (see module doc)."""
-    prop = _PROPERTIES.get(name)
+    prop = PROPERTIES.get(name)
     if prop is not None:
         return prop(x)
     fn = _methods.get(name)
     if fn is None:
-        attr = getattr(torch.Tensor, name, None)
-        if attr is None or not callable(attr) or name.startswith("_"):
-            raise AttributeError(f"'DTensor' object has no attribute {name!r}")
-        fn = tensor_method(name)
+        fn = _new_method(name)
     return fn.__get__(x)
+
+
+def _new_method(name: str):
+    """The DTensor method for ``name``, or the AttributeError saying why there is none."""
+    attr = getattr(torch.Tensor, name, None)
+    if attr is None or name.startswith("_"):
+        raise AttributeError(f"'DTensor' object has no attribute {name!r}")
+    if not callable(attr):
+        advice = UNSUPPORTED.get(name, "dtorch does not provide it yet")
+        raise UnsupportedAttributeError(
+            f"torch.Tensor.{name} is not supported on DTensors: {advice}")
+    if name == "requires_grad_":
+        fn = _requires_grad_
+    elif name in UNSUPPORTED_METHODS:
+        fn = _refuse(name, UNSUPPORTED_METHODS[name])
+    else:
+        return tensor_method(name)
+    _methods[name] = fn
+    return fn
