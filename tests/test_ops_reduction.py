@@ -185,3 +185,54 @@ def test_sort_and_topk_along_unsharded_dims(mesh1d, mesh2d):
     batch.check()
     illegal(lambda: s0.topk(2, dim=0))
     illegal(lambda: s0.sort(0))
+
+
+ALL_OPS = {"sum", "avg", "max", "min"}
+# name -> (call on a 0-dim x with dim and keepdim, the Partial reduce ops whose placement it keeps)
+ZERO_DIM = {
+    "sum": (lambda x, d, k: x.sum(d, keepdim=k), ALL_OPS),
+    "nansum": (lambda x, d, k: torch.nansum(x, d, k), ALL_OPS),
+    "mean": (lambda x, d, k: torch.mean(x, d, k), ALL_OPS),
+    "amax": (lambda x, d, k: torch.amax(x, d, k), ALL_OPS),
+    "amin": (lambda x, d, k: x.amin(d, k), ALL_OPS),
+    "max": (lambda x, d, k: torch.max(x, d, k), ALL_OPS),
+    "min": (lambda x, d, k: x.min(d, keepdim=k), ALL_OPS),
+    "prod": (lambda x, d, k: x.prod(d, keepdim=k), ALL_OPS),
+    "argmax": (lambda x, d, k: x.argmax(d, keepdim=k), ALL_OPS),
+    "argmin": (lambda x, d, k: torch.argmin(x, d, k), ALL_OPS),
+    "logsumexp": (lambda x, d, k: torch.logsumexp(x, d, k), ALL_OPS),
+    "median": (lambda x, d, k: x.median(d, k), ALL_OPS),
+    "std": (lambda x, d, k: x.std(d, correction=0, keepdim=k), set()),
+    "var": (lambda x, d, k: torch.var(x, d, keepdim=k, correction=0), set()),
+    "any": (lambda x, d, k: x.any(d, keepdim=k), set()),
+    "all": (lambda x, d, k: torch.all(x, d, k), set()),
+    "norm": (lambda x, d, k: torch.norm(x, dim=d, keepdim=k), set()),
+    "norm_inf": (lambda x, d, k: torch.linalg.vector_norm(x, float("inf"), d, k), set()),
+    "norm_1": (lambda x, d, k: x.norm(1, d, k), set()),
+    "count_nonzero": (lambda x, d, k: x.count_nonzero(d), set()),
+    "cumsum": (lambda x, d, k: x.cumsum(d), {"sum", "avg"}),
+    "cumprod": (lambda x, d, k: torch.cumprod(x, d), set()),
+    "sort": (lambda x, d, k: x.sort(d, descending=k), set()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_DIM))
+def test_zero_dim_input_with_dim_0_or_minus_1(mesh1d, name):
+    """torch accepts dim 0 / -1 on a 0-dim tensor (nothing is reduced): so does every rule,
+    keeping a Partial where the op returns the input itself."""
+    fn, keeps = ZERO_DIM[name]
+    x = torch.tensor(-1.75, dtype=torch.float64)
+    batch = Batch()
+    for placements in [(R,)] + [(p,) for p in PARTIALS]:
+        d = make(x, mesh1d, placements, 5)
+        for dim, keepdim in ((0, False), (-1, False), (0, True), (-1, True)):
+            if placements[0].is_partial() and placements[0].reduce_op not in keeps:
+                illegal(lambda: fn(d, dim, keepdim))
+                continue
+            expected = fn(x, dim, keepdim)
+            out = no_comm(lambda: fn(d, dim, keepdim))
+            if isinstance(expected, tuple):
+                batch.add(list(out), list(expected), placements)
+            else:
+                batch.add(out, expected, placements)
+    batch.check()

@@ -11,6 +11,8 @@ result cannot be combined from per-rank results (``prod argmax std var logsumexp
 
     >>> reduced_dims(None, 3), reduced_dims(-1, 3), reduced_dims((0, 2), 3)
     ((0, 1, 2), (2,), (0, 2))
+    >>> reduced_dims(0, 0), reduced_dims(-1, 0), reduced_dims(None, 0)
+    ((), (), ())
     >>> out_dim(2, (0,), keepdim=False)
     1
 """
@@ -30,7 +32,10 @@ _OF = {"sum": "sum", "nansum": "sum", "mean": "avg", "nanmean": "avg", "amax": "
 
 
 def reduced_dims(dim, ndim: int) -> tuple[int, ...]:
-    """Normalized reduced dims; ``None`` or ``()`` means all."""
+    """Normalized reduced dims; ``None`` or ``()`` means all. A 0-dim tensor has no dim to
+    reduce (torch accepts ``dim=0`` / ``-1`` there, and checks the value): ``()``."""
+    if ndim == 0:
+        return ()
     if dim is None or (isinstance(dim, (tuple, list)) and len(dim) == 0):
         return tuple(range(ndim))
     if isinstance(dim, (tuple, list)):
@@ -51,8 +56,16 @@ def _legal(kind: str) -> str:
     return f"R -> R; S(kept dim) -> S(its output dim); {reduced}; {linear}"
 
 
+# reductions that return a 0-dim input itself (indices: 0), so its placements are kept
+_SAME_ON_0D = {"sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "prod",
+               "argmax", "argmin", "logsumexp", "median", "nanmedian"}
+
+
 def reduce_placements(op, x, dims, keepdim, kind):
-    """Output placements of reducing ``x`` over ``dims`` (``kind``: sum/avg/max/min/None)."""
+    """Output placements of reducing ``x`` over ``dims`` (``kind``: sum/avg/max/min/None).
+    A 0-dim input keeps its placements (Partial too) for the ops in ``_SAME_ON_0D``."""
+    if x.ndim == 0 and op.name.split(".")[-1] in _SAME_ON_0D:
+        return tuple(x.placements)
     out = []
     for m, p in enumerate(x.placements):
         if isinstance(p, Shard):
