@@ -6,8 +6,9 @@
 ((0, 2), (1, 3))
 """
 
-from .errors import (ClusterError, DTorchError, FreedTensorError, MeshError, PlacementError,
-                     PlacementValueError, RemoteError, WorkerLostError)
+from .errors import (ClusterError, DTorchError, FreedTensorError, InterpreterStuckError,
+                     MeshError, PlacementError, PlacementValueError, RemoteError,
+                     WorkerLostError)
 from .layout import chunk_sizes, local_shapes, rank_blocks
 from .mesh import DeviceMesh, init_device_mesh
 from .pipeline import assign_layers_to_stages

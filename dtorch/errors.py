@@ -35,6 +35,10 @@ class WorkerLostError(DTorchError):
     """A worker process (rank) died or stopped answering."""
 
 
+class InterpreterStuckError(DTorchError, TimeoutError):
+    """A rank has been in one instruction longer than ``DTORCH_OP_TIMEOUT`` seconds."""
+
+
 class ClusterError(DTorchError):
     """The cluster cannot do what was asked (wrong size, not started, shut down)."""
 

@@ -25,7 +25,7 @@ from .placement import Partial, Placement, Replicate, Shard, format_placements
 from .redistribute import plan_redistribute
 from .runtime import messages as m
 from .runtime import session
-from .runtime.wire import unpack
+from .runtime.wire import WireFormatError, unpack
 
 _REPR_MAX_ELEMENTS = 1 << 22
 
@@ -142,7 +142,8 @@ class DTensor:
             for rank, (status, value) in results.items():
                 if status != "ok":
                     raise _remote(value)
-                out[blocks[rank].slices()] = unpack(value)
+                out[blocks[rank].slices()] = _received(value, rank, blocks[rank].shape,
+                                                       spec.dtype)
             return out
 
         return TensorFuture(c, answers, assemble, (lambda: cleanup) if cleanup is not None else None)
@@ -163,7 +164,10 @@ class DTensor:
         status, value = answers[rank]
         if status != "ok":
             raise _remote(value)
-        return unpack(value)
+        coord = self._spec.mesh.get_coordinate(rank)
+        shape = layout.local_shape(self._spec.shape, self._spec.mesh, self._spec.placements,
+                                   coord)
+        return _received(value, rank, shape, self._spec.dtype)
 
     def item(self):
         return self.to_torch().item()
@@ -379,6 +383,20 @@ def _distinct_blocks(spec: TensorSpec) -> dict[int, layout.RankBlock]:
         if all(c == 0 for p, c in zip(spec.placements, coord) if not isinstance(p, Shard)):
             out[rank] = layout.rank_block(spec.shape, spec.mesh, spec.placements, coord)
     return out
+
+
+def _received(wire, rank: int, shape, dtype) -> torch.Tensor:
+    """A rank's answer as a tensor, checked against the metadata (never trusted blindly)."""
+    try:
+        value = unpack(wire)
+    except WireFormatError as exc:
+        raise WireFormatError(f"rank {rank} sent a malformed value: {exc}") from None
+    if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
+        raise WireFormatError(f"rank {rank} sent a {value.dtype} tensor of shape "
+                              f"{tuple(value.shape)}; this tensor's metadata says {dtype} "
+                              f"{tuple(shape)} there. The op that made it computed something "
+                              f"else on that rank than the controller planned; please report it")
+    return value
 
 
 def _remote(failure):

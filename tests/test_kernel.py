@@ -263,7 +263,7 @@ def test_interrupt_returns_promptly_and_the_cluster_stays_consistent(kernel):
 import time
 from dtorch.runtime import session, messages as m
 c = session.get_controller()
-c.issue(m.Call((c.new_tid(),), time.sleep, (6,), {}, (0, 1, 2, 3)))   # ranks busy for 6 s
+c.issue(m.Call((), time.sleep, (6,), {}, (0, 1, 2, 3)))   # ranks busy for 6 s
 dtorch.synchronize()
 """, timeout=60)
     took = time.monotonic() - started
@@ -286,7 +286,7 @@ def test_interrupt_during_the_end_of_cell_wait(kernel):
     started = time.monotonic()
     timer.start()
     cell = kernel.run("c = session.get_controller()\n"
-                      "c.issue(m.Call((c.new_tid(),), time.sleep, (5,), {}, (0, 1, 2, 3)))",
+                      "c.issue(m.Call((), time.sleep, (5,), {}, (0, 1, 2, 3)))",
                       timeout=60)
     took = time.monotonic() - started
     timer.join()

@@ -20,7 +20,7 @@ mesh = init_device_mesh("cpu", 4)
 x = dtorch.tensor(torch.arange(8.), device_mesh=mesh, placements=[Shard(0)])
 dtorch.synchronize()
 c = session.get_controller()
-c.issue(m.Call((c.new_tid(),), time.sleep, (8,), {}, (3,)))  # rank 3 arrives 8 s late
+c.issue(m.Call((), time.sleep, (8,), {}, (3,)))  # rank 3 arrives 8 s late
 y = x.redistribute(placements=[Replicate()])
 start = time.monotonic()
 try:

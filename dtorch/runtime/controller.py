@@ -14,13 +14,14 @@ of a notebook cell, or on ``synchronize()``. Example::
 from __future__ import annotations
 
 import itertools
+import os
 from collections import deque
 import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import ClusterError, RemoteError, WorkerLostError
+from ..errors import ClusterError, InterpreterStuckError, RemoteError, WorkerLostError
 from . import messages as m
 from .interrupts import interrupts_held
 from .wire import pack
@@ -62,6 +63,31 @@ async def _answers_of(futures: dict) -> dict:
     return out
 
 
+def _raise_unsendable(message: str):
+    raise TypeError(message)
+
+
+def _pickled(instructions: list) -> bytes:
+    """The batch as bytes; an instruction pickle cannot send becomes one that fails on the
+    ranks with the reason (its outputs poisoned), so the rest of the batch still goes."""
+    try:
+        return pickle.dumps(instructions, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - find the culprits below
+        pass
+    out = []
+    for instr in instructions:
+        try:
+            pickle.dumps(instr, protocol=pickle.HIGHEST_PROTOCOL)
+            out.append(instr)
+        except Exception as exc:  # noqa: BLE001
+            outs = getattr(instr, "outs", None) or (getattr(instr, "out", None),)
+            out.append(m.Call(tuple(t for t in outs if t is not None), _raise_unsendable,
+                              (f"{type(instr).__name__} could not be sent to the ranks: "
+                               f"{type(exc).__name__}: {exc}",), {},
+                              getattr(instr, "ranks", ())))
+    return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 class Controller:
     """Owns the cluster connection, the instruction stream and the ids of remote tensors."""
 
@@ -73,6 +99,7 @@ class Controller:
         self.generation = next(_generations)
         self.max_pending = max_pending
         self.poll_s = poll_s
+        self.op_timeout_s = float(os.environ.get("DTORCH_OP_TIMEOUT", "600"))
         self.live_tensors = 0
         self.closed = False
         self._pending: list = []
@@ -153,7 +180,7 @@ class Controller:
             if not self._pending:
                 return {}
             self._check_open()
-            payload = pickle.dumps(self._pending, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = _pickled(self._pending)
             quick = all(type(i) in _QUICK for i in self._pending)
             staged, self._staged = self._staged, {}
             self._pending = []
@@ -205,7 +232,9 @@ class Controller:
                 got.update(sync(self.client.loop, _answers_of, pending, callback_timeout=
                                 self.poll_s if left is None else min(self.poll_s, left)))
             except TimeoutError:  # answers already in are read again next round
-                self.check_alive([r for r, f in pending.items() if not f.done()])
+                waiting = [r for r, f in pending.items() if not f.done()]
+                self.check_alive(waiting)
+                self.check_interpreters(waiting)
         out = {}
         for rank in futures:
             ok, value = got[rank]
@@ -224,6 +253,32 @@ class Controller:
         for r in (range(self.world) if ranks is None else ranks):
             if self.ranks[r].address not in present:
                 raise self._lost(r)
+
+    def check_interpreters(self, ranks) -> None:
+        """Raise when a rank's interpreter stopped (its thread died, its batch stream broke)
+        or has been in one instruction for longer than ``op_timeout_s``. The world is out of
+        step then: the controller closes, and ``dtorch.restart()`` starts a fresh one."""
+        from distributed.utils import sync
+        futures = {r: self._call(r, "health") for r in ranks}
+        try:
+            reports = sync(self.client.loop, _answers_of, futures,
+                           callback_timeout=max(self.poll_s, 5.0))
+        except TimeoutError:
+            return  # a busy event loop answers late; the next round asks again
+        for rank, (ok, report) in sorted(reports.items()):
+            if not ok:
+                raise self._lost(rank, report) from report
+            if report["fatal"] is not None:
+                self.closed = True
+                raise remote_error(report["fatal"], "this rank cannot go on; call "
+                                                    "dtorch.restart()")
+            if report["busy_s"] > self.op_timeout_s:
+                self.closed = True
+                raise InterpreterStuckError(
+                    f"rank {rank} has been running {report['current']} for "
+                    f"{report['busy_s']:.0f} s (DTORCH_OP_TIMEOUT={self.op_timeout_s:g}); its "
+                    f"peers and reads cannot go on. Call dtorch.restart(), or set "
+                    f"DTORCH_OP_TIMEOUT higher for ops that run this long")
 
     def _lost(self, rank: int, exc: BaseException | None = None) -> WorkerLostError:
         self.closed = True

@@ -11,11 +11,14 @@ in (with zeros of the shape the metadata gives) so its peers never wait for it. 
 
 from __future__ import annotations
 
+import pickle
+import time
 import traceback
 from collections import Counter
 from typing import Callable, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import layout
 from ..redistribute import COLLECTIVES
@@ -61,6 +64,44 @@ def _global_factory(fn: str, args, kwargs, shape, dtype, gen):
     raise ValueError(f"unknown factory {fn!r}")
 
 
+def _label(instr) -> str:
+    """How errors and liveness reports name an instruction: ``Call(torch.add)``."""
+    fn = getattr(instr, "fn", None)
+    name = type(instr).__name__
+    return f"{name}({getattr(fn, '__name__', fn)})" if fn is not None else name
+
+
+_OUTPUTS = {m.Create: lambda i: (i.tid,), m.Load: lambda i: (i.tid,),
+            m.Redistribute: lambda i: (i.out,), m.Call: lambda i: i.outs,
+            m.Eager: lambda i: (i.out,), m.Unflatten: lambda i: i.outs}
+
+
+def _outputs_of(instr) -> tuple[int, ...]:
+    """The tensor ids an instruction writes."""
+    outputs = _OUTPUTS.get(type(instr))
+    return tuple(outputs(instr)) if outputs is not None else ()
+
+
+def _tensors_of(result, expected: int) -> list:
+    """The output tensors of an op: one tensor, or the tensors of a tuple/list/namedtuple
+    (a one-element ``split`` result too); their number must be what the controller planned."""
+    if not expected:  # run for its effect (a test's busy rank, say)
+        return []
+    outs = list(result) if isinstance(result, (tuple, list)) else [result]
+    if len(outs) != expected or not all(isinstance(o, torch.Tensor) for o in outs):
+        raise TypeError(f"the op returned {type(result).__name__} with {len(outs)} values; the "
+                        f"controller planned {expected} tensors")
+    return outs
+
+
+def describe_result(value):
+    """``(treespec, leaves)``: tensor leaves as ``("tensor", shape, dtype)``, other leaves as
+    ``("value", v)`` (what the controller needs to wrap an eager result)."""
+    leaves, spec = pytree.tree_flatten(value)
+    return spec, [("tensor", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
+                  else ("value", v) for v in leaves]
+
+
 class Interpreter:
     """One rank's store and instruction loop body."""
 
@@ -83,14 +124,35 @@ class Interpreter:
         self._handlers = {m.SetupMesh: self._setup_mesh, m.Seed: self._seed,
                           m.Create: self._create, m.Load: self._load,
                           m.Redistribute: self._redistribute, m.Call: self._call,
-                          m.Fetch: self._fetch, m.Sync: self._sync, m.Free: self._free}
+                          m.Fetch: self._fetch, m.Sync: self._sync, m.Free: self._free,
+                          m.Eager: self._eager, m.Unflatten: self._unflatten}
+        self.current: tuple[str, float] | None = None  # (instruction, started) while running
 
     # entry point -----------------------------------------------------------------------------
     def execute(self, instr, staged: dict | None = None):
-        """Run one instruction; returns ``(req, answer)`` for Fetch/Sync, else None."""
+        """Run one instruction; returns ``(req, answer)`` for Fetch/Sync, else None.
+
+        Whatever a handler raises becomes that instruction's error (its outputs poisoned, a
+        request answered with it): the interpreter goes on with the next instruction."""
         self.instructions += 1
         self._staged = staged
-        return self._handlers[type(instr)](instr)
+        self.current = (_label(instr), time.monotonic())
+        try:
+            return self._handlers[type(instr)](instr)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            return self._failed_instruction(instr, exc)
+        finally:
+            self.current = None
+
+    def _failed_instruction(self, instr, exc: Exception):
+        """Poison what ``instr`` would have written; answer its request with the error."""
+        if self.rank not in getattr(instr, "ranks", (self.rank,)):
+            return None
+        poison = self._fail(_label(instr), exc)
+        for tid in _outputs_of(instr):
+            self.store[tid] = poison
+        req = getattr(instr, "req", None)
+        return None if req is None else (req, ("err", poison.failure))
 
     def _fail(self, op: str, exc: BaseException) -> Poison:
         failure = RemoteFailure(self.rank, op, f"{type(exc).__name__}: {exc}",
@@ -212,8 +274,7 @@ class Interpreter:
             if poison is not None:
                 outs = [poison] * len(instr.outs)
             else:
-                result = instr.fn(*args, **kwargs)
-                outs = list(result) if len(instr.outs) != 1 else [result]
+                outs = _tensors_of(instr.fn(*args, **kwargs), len(instr.outs))
         except Exception as exc:  # noqa: BLE001
             outs = [self._fail(getattr(instr.fn, "__name__", str(instr.fn)), exc)] * len(instr.outs)
         for tid, value in zip(instr.outs, outs):
@@ -227,7 +288,47 @@ class Interpreter:
             return instr.req, ("err", RemoteFailure(self.rank, "fetch", "tensor not found", ""))
         if isinstance(value, Poison):
             return instr.req, ("err", value.failure)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"tensor {instr.tid} holds a {type(value).__name__}, not a tensor")
         return instr.req, ("ok", pack(value))
+
+    def _eager(self, instr: m.Eager):
+        """Run ``fn`` and keep its whole result; ``answer_rank`` describes it (values depend
+        on data, so the controller learns the outputs from a rank)."""
+        if self.rank not in instr.ranks:
+            return None
+        self._poisoned_arg = None
+        args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
+        if self._poisoned_arg is not None:
+            self.store[instr.out] = self._poisoned_arg
+        else:
+            try:
+                self.store[instr.out] = instr.fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001
+                self.store[instr.out] = self._fail(getattr(instr.fn, "__name__", "op"), exc)
+        if self.rank != instr.answer_rank:
+            return None
+        value = self.store[instr.out]
+        if isinstance(value, Poison):
+            return instr.req, ("err", value.failure)
+        return instr.req, ("ok", pickle.dumps(describe_result(value)))
+
+    def _unflatten(self, instr: m.Unflatten):
+        """Replace a kept result by its tensor leaves, stored under ``outs``."""
+        if self.rank not in instr.ranks:
+            return
+        value = self.store.pop(instr.src, None)
+        if value is None:
+            value = self._fail("unflatten", KeyError(f"tensor {instr.src} not found"))
+        if isinstance(value, Poison):
+            leaves = [value] * len(instr.outs)
+        else:
+            leaves = [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+            if len(leaves) != len(instr.outs):
+                raise RuntimeError(f"this rank's result has {len(leaves)} tensors; the "
+                                   f"controller expected {len(instr.outs)}")
+        for tid, leaf in zip(instr.outs, leaves):
+            self.store[tid] = leaf
 
     def _sync(self, instr: m.Sync):
         errors, self.errors = self.errors, []

@@ -102,3 +102,24 @@ class Free(NamedTuple):
     """Drop the local shards of these tensors."""
 
     tids: tuple[int, ...]
+
+
+class Eager(NamedTuple):
+    """Run ``fn`` on local shards and keep its whole result as ``out``; ``answer_rank``
+    answers ``req`` with its structure (ops whose outputs depend on the values)."""
+
+    req: int
+    out: int
+    fn: Any
+    args: tuple
+    kwargs: dict
+    ranks: tuple[int, ...]
+    answer_rank: int
+
+
+class Unflatten(NamedTuple):
+    """Replace the kept result ``src`` by its tensor leaves, stored as ``outs``."""
+
+    src: int
+    outs: tuple[int, ...]
+    ranks: tuple[int, ...]

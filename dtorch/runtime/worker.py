@@ -16,6 +16,7 @@ import asyncio
 import os
 import pickle
 import threading
+import time
 from datetime import timedelta
 
 from . import messages as m
@@ -39,6 +40,8 @@ class RankActor:
         self._answers: dict[int, object] = {}
         self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._init_error: RemoteFailure | None = None
+        self._fatal: RemoteFailure | None = None  # the interpreter cannot go on (health())
+        self._closing = False
         self._ready = threading.Event()
         self._busy = True  # the interpreter thread is starting or running a batch
         self.inline_batches = 0  # quick batches run on the event loop
@@ -82,6 +85,19 @@ class RankActor:
         await asyncio.get_running_loop().run_in_executor(None, self._ready.wait)
         return self._init_error
 
+    async def health(self) -> dict:
+        """Whether the interpreter thread is serving: ``alive``, the instruction it is in and
+        for how many seconds (``current``, ``busy_s``), and a ``fatal`` failure that stopped
+        it (the controller raises it, naming this rank)."""
+        current = self.interp.current
+        fatal = self._fatal
+        if fatal is None and not self._thread.is_alive() and not self._closing:
+            fatal = RemoteFailure(self.rank, "interpreter", "the rank's interpreter thread "
+                                  "stopped", "")
+        return {"alive": self._thread.is_alive(), "fatal": fatal,
+                "current": current[0] if current else None,
+                "busy_s": time.monotonic() - current[1] if current else 0.0}
+
     async def stats(self) -> dict:
         out = self.interp.stats()
         out["pending_batches"] = len(self._inbox)
@@ -95,6 +111,7 @@ class RankActor:
         return out
 
     async def close(self) -> None:
+        self._closing = True
         with self._cv:
             self._inbox[-1] = _STOP
             self._cv.notify()
@@ -138,17 +155,26 @@ class RankActor:
         except Exception as exc:  # noqa: BLE001 - reported to the controller
             self._init_error = self.interp._fail("init_process_group", exc)[0]
         self._ready.set()
-        while True:
-            item = self._next_batch()
-            if item is _STOP:
-                break
-            self._run_batch(*item)
+        try:
+            while True:
+                item = self._next_batch()
+                if item is _STOP:
+                    break
+                self._run_batch(*item)
+        except BaseException as exc:  # SystemExit from an op, or a bug: say so, then stop
+            self._fatal = self.interp._fail("interpreter", exc).failure._replace(
+                message=f"the rank's interpreter thread stopped: {type(exc).__name__}: {exc}")
+            raise
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def _run_batch(self, payload: bytes, staged: bytes | None) -> None:
-        instructions = pickle.loads(payload)
-        staged = pickle.loads(staged) if staged else None
+        try:
+            instructions = pickle.loads(payload)
+            staged = pickle.loads(staged) if staged else None
+        except Exception as exc:  # noqa: BLE001 - the stream is broken from here on
+            self._fatal = self.interp._fail("unpickling a batch", exc).failure
+            return
         for instr in instructions:
             if self._init_error is not None:
                 answer = _init_failure_answer(instr, self._init_error)
