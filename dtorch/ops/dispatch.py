@@ -20,6 +20,8 @@ from ..errors import DTorchError, PlacementError
 from ..runtime import messages as m
 from ..runtime import session
 from ..tensor import DTensor, make_spec
+from ..placement import Replicate
+from . import generic
 from .infer import Outputs, describe, rebuild, to_meta, to_zeros
 from .registry import OpCall, TArg, as_decision, display_name, lookup
 
@@ -185,6 +187,9 @@ def _dispatch(func, args, kwargs=None):
     outputs = plan.outputs
     if outputs.kind == "value":
         return outputs.value
+    if outputs is EAGER:
+        return generic.run_eager(c, plan.fn, cargs, ckwargs, tensors[0]._spec.mesh, _eager_wrap(
+            tensors[0]._spec.mesh, c))
     if plan.args is not None:
         cargs = _fill(plan.args, tensors)
         ckwargs = _fill_kwargs(plan.kwargs, tensors)
@@ -204,6 +209,12 @@ def _dispatch(func, args, kwargs=None):
 
 
 _wrap = DTensor._wrap
+EAGER = Outputs((), (), "eager")  # the outputs depend on the values: run now, then wrap
+
+
+def _eager_wrap(mesh, c):
+    replicate = (Replicate(),) * mesh.ndim
+    return lambda shape, dtype, tid: _wrap(make_spec(shape, dtype, mesh, replicate), tid, c)
 
 
 def _fill(template, tensors):
@@ -229,30 +240,44 @@ def _fill_kwargs(template, tensors):
 # the first call of a signature --------------------------------------------------------------------
 def _plan(func, args, kwargs, tensors, key) -> Plan:
     entry = lookup(func)
-    if entry is None:
-        raise UnsupportedOpError(
-            f"{display_name(func)} has no dtorch placement rule, so it cannot run on DTensors. "
-            f"See dtorch.ops.coverage() for the supported functions; gather with "
-            f".to_torch() to use plain torch, or compose it from supported ops")
+    name = entry.name if entry is not None else display_name(func)
     if "out" in kwargs and kwargs["out"] is not None:
-        raise TypeError(f"{entry.name}: out= is not supported on DTensors; use the returned "
-                        f"DTensor")
+        raise TypeError(f"{name}: out= is not supported on DTensors; use the returned DTensor")
+    if entry is None and not generic.all_replicate(tensors):
+        raise UnsupportedOpError(
+            f"{name} has no dtorch placement rule for sharded or Partial inputs, so it cannot "
+            f"run on these DTensors. It runs when every DTensor input is Replicate "
+            f"(x.redistribute(placements=[Replicate()] * mesh.ndim)); see dtorch.ops.coverage() "
+            f"for the functions with rules, or gather with .to_torch() to use plain torch")
     _reject_plain_tensors((args, kwargs))
     counter = iter(range(len(tensors)))
-    targs = tuple(_targ(a, _label(entry, i), counter) for i, a in enumerate(args))
+    labels = entry.arg_names if entry is not None else ("input", "other")
+    targs = tuple(_targ(a, labels[i] if i < len(labels) else f"arg{i}", counter)
+                  for i, a in enumerate(args))
     tkwargs = {k: _targ(v, k, counter) for k, v in kwargs.items()}
     flat = _flatten_targs((targs, tkwargs))
     mesh = flat[0].mesh
     for t in flat[1:]:
         if t.mesh != mesh:
             raise PlacementError(
-                f"{entry.name}: inputs live on different meshes: {flat[0].label} on {mesh}, "
+                f"{name}: inputs live on different meshes: {flat[0].label} on {mesh}, "
                 f"{t.label} on {t.mesh}. Move one with x.redistribute(device_mesh=...) (same "
                 f"mesh shape), or make both on one mesh")
+    if entry is None:
+        return _store(key, _replicated_plan(func, targs, tkwargs, flat, mesh))
+    try:
+        return _store(key, _ruled_plan(entry, func, targs, tkwargs, flat, mesh))
+    except PlacementError:
+        if not generic.all_replicate(flat):
+            raise
+        return _store(key, _replicated_plan(func, targs, tkwargs, flat, mesh))
+
+
+def _ruled_plan(entry, func, targs, tkwargs, flat, mesh) -> Plan:
+    """The plan a dedicated rule gives."""
     outputs = describe(_infer(entry.meta or func, targs, tkwargs))
     if outputs.kind == "value":
-        plan = Plan((), func, None, None, mesh.ranks, outputs, None)
-        return _store(key, plan)
+        return Plan((), func, None, None, mesh.ranks, outputs, None)
     op = OpCall(entry, func, targs, tkwargs, tuple(flat), mesh, outputs)
     decision = as_decision(entry.rule(op))
     if len(decision.placements) != len(outputs.shapes):
@@ -264,9 +289,52 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
     if inplace is not None:
         _check_inplace(op, flat[inplace], specs)
     simple = decision.args is None and outputs.kind == "one" and inplace is None
-    plan = Plan(specs, decision.fn or func, decision.args, decision.kwargs, mesh.ranks,
-                outputs, inplace, simple)
-    return _store(key, plan)
+    return Plan(specs, generic.picklable(decision.fn or func), decision.args, decision.kwargs,
+                mesh.ranks, outputs, inplace, simple)
+
+
+def _replicated_plan(func, targs, tkwargs, flat, mesh) -> Plan:
+    """Every input is Replicate: every rank runs ``func`` on whole tensors, outputs are
+    Replicate (see :mod:`dtorch.ops.generic`); eager when the outputs depend on values."""
+    why = generic.random_reason(func, targs, tkwargs)
+    if why is not None:
+        raise UnsupportedOpError(
+            f"{why}, and each rank's generator would draw different ones. Make random values "
+            f"with dtorch.rand / dtorch.randn / dtorch.randint (the same values as torch under "
+            f"dtorch.manual_seed, whatever the placements), or gather with .to_torch()")
+    outputs = _infer_replicated(func, targs, tkwargs)
+    if outputs is None or outputs.kind == "value":
+        return Plan((), generic.picklable(func), None, None, mesh.ranks, EAGER, None)
+    replicate = (Replicate(),) * mesh.ndim
+    specs = tuple(make_spec(s, d, mesh, replicate)
+                  for s, d in zip(outputs.shapes, outputs.dtypes))
+    inplace = _generic_inplace(func, flat, specs)
+    return Plan(specs, generic.picklable(func), None, None, mesh.ranks, outputs, inplace,
+                outputs.kind == "one" and inplace is None)
+
+
+def _infer_replicated(func, targs, tkwargs) -> Outputs | None:
+    """Outputs inferred on meta, or None when they depend on the values (meta cannot run the
+    op, or it returns no tensor, or a mix of tensors and other values)."""
+    try:
+        return describe(func(*to_meta(targs), **to_meta(tkwargs)))
+    except Exception:  # noqa: BLE001 - a real error shows on the cpu stand-ins
+        error = _cpu_error(func, targs, tkwargs)
+        if error is not None:
+            raise error from None
+        return None
+
+
+def _generic_inplace(func, flat, specs) -> int | None:
+    """``x.addmv_(...)``: a trailing underscore mutates the first DTensor input."""
+    name = getattr(func, "__name__", "")
+    if not (name.endswith("_") and not name.endswith("__")) or not flat:
+        return None
+    target = flat[0]
+    if len(specs) != 1 or specs[0].shape != target.shape or specs[0].dtype != target.dtype:
+        raise TypeError(f"{display_name(func)}: in-place ops that change the shape or dtype of "
+                        f"a DTensor are not supported; use the out-of-place op")
+    return 0
 
 
 def _infer(fn, targs, tkwargs):
@@ -327,10 +395,6 @@ def _check_inplace(op, target: TArg, specs) -> None:
             f"{code_placements(spec.placements)}. Use the out-of-place op, or redistribute "
             f"{target.label} first: {target.label}.redistribute(placements="
             f"{code_placements(spec.placements)})")
-
-
-def _label(entry, i: int) -> str:
-    return entry.arg_names[i] if i < len(entry.arg_names) else f"arg{i}"
 
 
 def _targ(a, label, counter):

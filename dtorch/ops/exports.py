@@ -1,5 +1,5 @@
-"""``dtorch.<name>`` and ``dtorch.nn.functional.<name>``: torch functions that have a rule,
-routed straight to dispatch (no ``__torch_function__`` round trip).
+"""``dtorch.<name>`` and ``dtorch.nn.functional.<name>``: torch functions routed straight to
+dispatch (no ``__torch_function__`` round trip); those with a rule come first.
 
 With no DTensor among the arguments they are the plain torch functions. Example::
 
@@ -31,16 +31,14 @@ def _wrap(func):
 
 
 def routed(name: str, namespaces=(torch, F)):
-    """The dispatching function for the first ``namespace.<name>`` that has a rule, or None."""
+    """The dispatching function for the first ``namespace.<name>`` that has a rule, else for
+    the first torch function of that name (it runs on all-Replicate inputs), or None."""
     key = (name, namespaces)
     if key not in _routed:
-        found = None
-        for ns in namespaces:
-            func = getattr(ns, name, None)
-            if func is not None and lookup(func) is not None:
-                found = _wrap(func)
-                break
-        _routed[key] = found
+        found = [f for f in (getattr(ns, name, None) for ns in namespaces)
+                 if callable(f) and not isinstance(f, type)]
+        ruled = [f for f in found if lookup(f) is not None]
+        _routed[key] = _wrap((ruled or found)[0]) if found else None
     return _routed[key]
 
 

@@ -1,0 +1,129 @@
+"""The all-Replicate rule: any deterministic torch function runs when every DTensor input is
+Replicate on one mesh, dedicated rule or not.
+
+Every rank then holds the whole of every input, so every rank computes the whole output and
+the outputs are Replicate; nothing moves. Ops whose outputs depend on the values (``nonzero``,
+``unique``, ``allclose``: torch cannot infer them on ``meta``) run *eagerly*: one round trip
+in which a rank reports what came out. Ops with random results raise, since each rank's torch
+generator would draw its own numbers. Example::
+
+    >>> from types import SimpleNamespace as Spec
+    >>> from dtorch import Replicate, Partial
+    >>> all_replicate([Spec(placements=(Replicate(), Replicate()))])
+    True
+    >>> all_replicate([Spec(placements=(Replicate(), Partial()))])
+    False
+    >>> import torch
+    >>> random_reason(torch.bernoulli, (None,), {})
+    'torch.bernoulli draws random numbers'
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import warnings
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from ..runtime import messages as m
+from .registry import display_name
+
+_ALWAYS_RANDOM = [
+    torch.bernoulli, torch.normal, torch.multinomial, torch.poisson, torch.rand_like,
+    torch.randn_like, torch.randint_like, F.gumbel_softmax, F.fractional_max_pool2d,
+    F.fractional_max_pool3d, torch.Tensor.bernoulli, torch.Tensor.bernoulli_,
+    torch.Tensor.normal_, torch.Tensor.multinomial, torch.Tensor.uniform_,
+    torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
+    torch.Tensor.log_normal_, torch.Tensor.cauchy_,
+    getattr(F, "fractional_max_pool2d_with_indices", None),
+    getattr(F, "fractional_max_pool3d_with_indices", None)]
+_RANDOM_WHEN_TRAINING = {F.rrelu: 3, torch.rrelu: 3, F.dropout: 2, F.alpha_dropout: 2,
+                         F.feature_alpha_dropout: 2, F.dropout1d: 2, F.dropout2d: 2,
+                         F.dropout3d: 2}
+_DEFAULT_TRAINING = {F.rrelu: False, torch.rrelu: False}
+
+
+_HOMES = (("torch", torch), ("torch.Tensor", torch.Tensor), ("torch.nn.functional", F),
+          ("torch.linalg", torch.linalg), ("torch.special", torch.special), ("torch.fft", torch.fft))
+
+
+class ByName(NamedTuple):
+    """A torch callable sent by where it lives, for the ones pickle cannot send by reference
+    (``torch.unique`` is a local function of ``boolean_dispatch``)."""
+
+    home: str
+    name: str
+
+    @property
+    def __name__(self) -> str:
+        return self.name
+
+    def __call__(self, *args, **kwargs):
+        home = torch.Tensor if self.home == "torch.Tensor" else importlib.import_module(self.home)
+        return getattr(home, self.name)(*args, **kwargs)
+
+
+def picklable(fn):
+    """``fn`` itself when pickle can send it, else a :class:`ByName` that finds it on the rank.
+
+    >>> picklable(torch.add) is torch.add, picklable(torch.unique)
+    (True, ByName(home='torch', name='unique'))
+    """
+    try:
+        pickle.dumps(fn)
+        return fn
+    except Exception:  # noqa: BLE001 - pickle raises several types
+        pass
+    name = getattr(fn, "__name__", None)
+    for home, ns in _HOMES:
+        if name and getattr(ns, name, None) is fn:
+            return ByName(home, name)
+    raise TypeError(f"{display_name(fn)} cannot be sent to the ranks (pickle cannot find it "
+                    f"by name); call a torch function instead")
+
+
+def all_replicate(tensors) -> bool:
+    """Whether every input (TArgs or DTensors: anything with ``placements``) is Replicate on
+    every mesh dim."""
+    return all(p.is_replicate() for t in tensors for p in t.placements)
+
+
+def random_reason(func, args, kwargs) -> str | None:
+    """Why ``func(*args, **kwargs)`` has random results, or None when it is deterministic."""
+    if func in _ALWAYS_RANDOM:
+        return f"{display_name(func)} draws random numbers"
+    pos = _RANDOM_WHEN_TRAINING.get(func)
+    if pos is not None:
+        training = kwargs.get("training", args[pos] if len(args) > pos else
+                              _DEFAULT_TRAINING.get(func, True))
+        if training:
+            return f"{display_name(func)} with training=True draws random numbers"
+    return None
+
+
+def run_eager(controller, func, cargs, ckwargs, mesh, wrap):
+    """Run ``func`` on every rank of ``mesh`` now and return its result with DTensors
+    (``wrap(shape, dtype, tid)``) in place of the output tensors: one round trip."""
+    from ..runtime.controller import remote_error
+    raw = controller.new_tid()
+    ranks = mesh.ranks
+    answers = controller.wait(controller.request(
+        lambda req: m.Eager(req, raw, func, tuple(cargs), ckwargs, ranks, ranks[0]),
+        [ranks[0]]))
+    status, value = answers[ranks[0]]
+    if status != "ok":
+        controller.issue(m.Free((raw,)))
+        raise remote_error(value, f"running {display_name(func)}")
+    with warnings.catch_warnings():  # torch warns about its own LeafSpec when unpickling
+        warnings.simplefilter("ignore", FutureWarning)
+        spec, leaves = pickle.loads(value)
+    tids = tuple(controller.new_tid() for kind, *_ in leaves if kind == "tensor")
+    controller.issue(m.Unflatten(raw, tids, ranks))
+    tid_iter = iter(tids)
+    values = [wrap(leaf[1], leaf[2], next(tid_iter)) if leaf[0] == "tensor" else leaf[1]
+              for leaf in leaves]
+    return pytree.tree_unflatten(values, spec)

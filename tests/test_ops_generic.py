@@ -1,0 +1,140 @@
+"""The all-Replicate rule: any deterministic torch function runs on Replicate DTensors, rule or
+not, with Replicate outputs and no communication; data-dependent ops run eagerly; random ops
+and sharded inputs without a rule raise clearly (real 4-rank cluster, 1-D and 2-D meshes)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtorch
+from dtorch import Partial, Replicate, Shard
+from dtorch.ops import UnsupportedOpError
+from dtorch.runtime import session
+from test_ops_support import Batch, dt, no_comm
+
+R = Replicate()
+
+NO_RULE = {  # ops that have no dedicated rule (checked below), with torch's inputs
+    "addmv": (torch.addmv, lambda: (torch.randn(3), torch.randn(3, 4), torch.randn(4))),
+    "baddbmm": (torch.baddbmm, lambda: (torch.randn(2, 3, 5), torch.randn(2, 3, 4),
+                                        torch.randn(2, 4, 5))),
+    "block_diag": (torch.block_diag, lambda: (torch.randn(2, 3), torch.randn(1, 2))),
+    "interpolate": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+                    lambda: (torch.randn(1, 2, 3, 4),)),
+    "max_pool2d_with_indices": (lambda x: F.max_pool2d_with_indices(x, 2),
+                                lambda: (torch.randn(1, 2, 4, 6),)),
+    "kron": (torch.kron, lambda: (torch.randn(2, 3), torch.randn(3, 2))),
+    "cdist": (torch.cdist, lambda: (torch.randn(4, 3), torch.randn(5, 3))),
+    "trace": (torch.trace, lambda: (torch.randn(4, 4),)),
+    "linalg.inv": (torch.linalg.inv, lambda: (torch.randn(3, 3) + 3 * torch.eye(3),)),
+}
+DATA_DEPENDENT = {
+    "nonzero": lambda x: torch.nonzero(x > 0),
+    "unique": lambda x: torch.unique(x.round(), return_counts=True),
+    "masked_select": lambda x: x.masked_select(x > 0),
+    "allclose": lambda x: torch.allclose(x, x + 1e-9),
+    "equal": lambda x: torch.equal(x, x * 2),
+    "argwhere": lambda x: torch.argwhere(x < 0),
+}
+
+
+def _replicated(mesh, tensors):
+    return [dt(t, mesh, [R] * mesh.ndim) for t in tensors]
+
+
+def _check(batch, got, want, mesh):
+    if isinstance(want, torch.Tensor):
+        batch.add(got, want, [R] * mesh.ndim)
+    elif isinstance(want, (tuple, list)):
+        assert type(got) is type(want) and len(got) == len(want)
+        for g, w in zip(got, want):
+            _check(batch, g, w, mesh)
+    else:
+        assert got == want
+
+
+@pytest.mark.parametrize("mesh_name", ["mesh1d", "mesh2d"])
+def test_ops_without_a_rule_run_on_replicated_inputs(mesh_name, request):
+    mesh = request.getfixturevalue(mesh_name)
+    batch = Batch()
+    for name, (fn, make) in NO_RULE.items():
+        inputs = make()
+        got = no_comm(lambda: fn(*_replicated(mesh, inputs)))
+        _check(batch, got, fn(*inputs), mesh)
+    batch.check()
+
+
+def test_the_listed_ops_really_have_no_rule():
+    for fn in (torch.addmv, torch.baddbmm, torch.block_diag, F.interpolate, torch.kron,
+               torch.cdist, torch.trace, torch.linalg.inv):
+        assert dtorch.ops.lookup(fn) is None, fn
+
+
+@pytest.mark.parametrize("name", sorted(DATA_DEPENDENT))
+def test_data_dependent_ops_run_eagerly(mesh1d, name):
+    fn = DATA_DEPENDENT[name]
+    x = torch.randn(4, 5) * 2
+    got = no_comm(lambda: fn(dt(x, mesh1d, [R])))
+    batch = Batch()
+    _check(batch, got, fn(x), mesh1d)
+    batch.check()
+
+
+def test_an_eager_op_on_a_failed_input_raises_at_the_call(mesh1d):
+    bad = dtorch.from_local([torch.ones(2, dtype=torch.complex64)] * 4, mesh1d,
+                            [Partial("max")]).redistribute(placements=[R])  # fails on the ranks
+    with pytest.raises(dtorch.RemoteError, match="nonzero|MAX|max"):
+        torch.nonzero(bad)
+    with pytest.raises(dtorch.RemoteError):
+        dtorch.synchronize()
+    assert torch.nonzero(dt(torch.tensor([0., 1.]), mesh1d, [R])).to_torch().tolist() == [[1]]
+
+
+def test_generic_inplace_ops_keep_the_handle(mesh1d):
+    y, m, v = torch.randn(3), torch.randn(3, 4), torch.randn(4)
+    dy = dt(y, mesh1d, [R])
+    out = dy.addmv_(dt(m, mesh1d, [R]), dt(v, mesh1d, [R]))
+    assert out is dy
+    assert torch.allclose(dy.to_torch(), y.addmv_(m, v), atol=1e-6)
+
+
+def test_a_sub_mesh_runs_only_on_its_ranks(mesh2d):
+    sub = mesh2d.unbind("dp")[1]  # ranks 2, 3
+    a, b = torch.randn(2, 3), torch.randn(3, 2)
+    got = torch.kron(dt(a, sub, [R]), dt(b, sub, [R]))
+    assert got.device_mesh == sub
+    assert torch.allclose(got.to_local(3), torch.kron(a, b))
+
+
+@pytest.mark.parametrize("call", [
+    torch.bernoulli, lambda x: x.uniform_(), lambda x: torch.multinomial(x, 2),
+    lambda x: F.dropout(x, 0.5), torch.rand_like, lambda x: F.rrelu(x, training=True)])
+def test_random_ops_raise_clearly_before_anything_is_sent(mesh1d, call):
+    x = dt(torch.rand(3, 4) * 0.8 + 0.1, mesh1d, [R])
+    c = session.get_controller()
+    before = len(c._pending)
+    with pytest.raises(NotImplementedError, match="random"):  # UnsupportedOpError is one
+        call(x)
+    assert len(c._pending) == before
+
+
+def test_deterministic_variants_of_random_ops_run(mesh1d):
+    x = torch.randn(3, 4)
+    d = dt(x, mesh1d, [R])
+    batch = Batch()
+    batch.add(F.dropout(d, 0.5, training=False), x, [R])
+    batch.add(F.rrelu(d), F.rrelu(x), [R])
+    batch.check()
+
+
+def test_sharded_inputs_without_a_rule_say_replicate_works(mesh1d):
+    s = dt(torch.randn(4, 4), mesh1d, [Shard(0)])
+    with pytest.raises(UnsupportedOpError, match=r"torch\.kron.*Replicate.*coverage\(\)"):
+        torch.kron(s, s)
+
+
+def test_dtorch_namespace_routes_ops_without_a_rule(mesh1d):
+    a, b = torch.randn(2, 2), torch.randn(2, 2)
+    got = dtorch.kron(dt(a, mesh1d, [R]), dt(b, mesh1d, [R]))
+    assert torch.allclose(got.to_torch(), torch.kron(a, b))
+    assert torch.equal(dtorch.kron(a, b), torch.kron(a, b))  # plain torch without DTensors
