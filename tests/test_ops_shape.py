@@ -1,5 +1,6 @@
 """Shape ops: the shard dim is tracked through views and reshapes; uneven splits raise."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -222,3 +223,36 @@ def test_position_ops_on_unsharded_dims(mesh1d, mesh2d):
     illegal(lambda: s0.repeat(2, 1, 1))
     illegal(lambda: torch.nn.functional.pad(s2, (1, 0)))
     illegal(lambda: torch.nn.functional.pad(p, (1, 0), value=1.0))
+
+
+def test_index_and_size_values_given_as_tensors(mesh1d):
+    """tensor_split indices and repeat_interleave repeats as a plain tensor or a DTensor are
+    read as ints on the controller; new values are not replayed from a cached plan."""
+    x = torch.arange(48.).reshape(8, 6)
+    idx, reps = torch.tensor([1, 4]), torch.tensor([1, 0, 2, 1, 3, 1, 1, 2])
+    batch = Batch()
+    for a, pl in ((dt(x, mesh1d, [Shard(1)]), [Shard(1)]), (dt(x, mesh1d, [R]), [R])):
+        batch.add(list(no_comm(lambda: torch.tensor_split(a, idx))),
+                  list(torch.tensor_split(x, idx)), pl)
+        for values in ([1, 4], [2, 3, 7], [5]):
+            d = dt(torch.tensor(values), mesh1d, [Shard(0)])
+            batch.add(list(a.tensor_split(d, dim=0)), list(x.tensor_split(values, dim=0)), pl)
+        batch.add(list(torch.tensor_split(a, tensor_indices_or_sections=dt(torch.tensor(3),
+                                                                          mesh1d, [R]))),
+                  list(torch.tensor_split(x, 3)), pl)
+        batch.add(no_comm(lambda: torch.repeat_interleave(a, reps, dim=0)),
+                  torch.repeat_interleave(x, reps, dim=0), pl)
+        batch.add(a.repeat_interleave(repeats=dt(reps, mesh1d, [Shard(0)]), dim=0),
+                  x.repeat_interleave(reps, dim=0), pl)
+    r = dt(x, mesh1d, [R])
+    batch.add(no_comm(lambda: r.repeat_interleave(torch.tensor(2))), x.repeat_interleave(2),
+              [R])
+    flat = torch.arange(48) % 3
+    batch.add(torch.repeat_interleave(r, dt(flat, mesh1d, [R])), x.repeat_interleave(flat),
+              [R])
+    batch.check()
+    s0 = dt(x, mesh1d, [Shard(0)])
+    illegal(lambda: torch.tensor_split(s0, idx), match="cuts along dim 0")
+    illegal(lambda: s0.repeat_interleave(reps, dim=0), match="repeats along dim 0")
+    with pytest.raises(TypeError, match="integer tensor"):
+        torch.tensor_split(r, torch.tensor([1.0, 2.0]))

@@ -67,7 +67,8 @@ class Decision(NamedTuple):
 
 
 class Entry(NamedTuple):
-    """One registered callable: display name, family, rule, in-place flag, custom meta."""
+    """One registered callable: display name, family, rule, in-place flag, custom meta, and
+    the optional ``prep`` that rewrites a call's arguments before dispatch keys it."""
 
     name: str
     family: str
@@ -75,9 +76,11 @@ class Entry(NamedTuple):
     inplace: bool
     meta: Callable | None
     arg_names: tuple[str, ...]
+    prep: Callable | None = None
 
 
 _RULES: dict[Any, Entry] = {}
+PREP: dict[Any, Callable] = {}  # callable -> prep(args, kwargs) -> (args, kwargs)
 _NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("F", F), ("linalg", torch.linalg),
                ("special", torch.special))
 
@@ -105,23 +108,36 @@ def _resolve(name_or_func) -> list:
 
 
 def rule(*funcs, family: str, inplace: bool = False, meta: Callable | None = None,
-         arg_names: tuple[str, ...] = ("input", "other")):
+         arg_names: tuple[str, ...] = ("input", "other"), prep: Callable | None = None):
     """Register the decorated rule for ``funcs`` (callables, or names resolved in ``torch``,
     ``torch.Tensor`` and ``torch.nn.functional``). ``inplace=True`` marks variants that mutate
-    their first tensor (``add_``); ``meta`` replaces the torch call used for shape inference."""
+    their first tensor (``add_``); ``meta`` replaces the torch call used for shape inference;
+    ``prep(args, kwargs) -> (args, kwargs)`` rewrites the call before it is keyed (index or
+    size values given as tensors become Python ints; see :func:`prep_call`)."""
     def deco(fn):
-        _register(funcs, family, inplace, meta, arg_names, fn)
+        _register(funcs, family, inplace, meta, arg_names, fn, prep)
         return fn
     return deco
 
 
-def _register(funcs, family, inplace, meta, arg_names, fn) -> None:
+def _register(funcs, family, inplace, meta, arg_names, fn, prep=None) -> None:
     for spec in funcs:
         resolved = _resolve(spec)
         if not resolved and isinstance(spec, str):
             continue  # a name this torch version lacks
         for f, name in resolved:
-            _RULES[f] = Entry(name, family, fn, inplace, meta, tuple(arg_names))
+            _RULES[f] = Entry(name, family, fn, inplace, meta, tuple(arg_names), prep)
+            if prep is not None:
+                PREP[f] = prep
+
+
+def prep_call(func, args: tuple, kwargs: dict | None):
+    """``(args, kwargs)`` of a call after the ``prep`` registered for ``func`` (unchanged when
+    there is none); dispatch runs it before anything else."""
+    prep = PREP.get(func)
+    if prep is None:
+        return args, kwargs
+    return prep(tuple(args), dict(kwargs or {}))
 
 
 def lookup(func) -> Entry | None:

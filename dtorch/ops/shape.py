@@ -107,8 +107,37 @@ def _cut_dim(op, x):
     return d % x.ndim if isinstance(d, int) and x.ndim else None
 
 
+# index and size values given as tensors ----------------------------------------------------------
+def _is_tensor(v) -> bool:
+    from ..tensor import DTensor
+    return isinstance(v, (torch.Tensor, DTensor))
+
+
+def index_values(v, what: str):
+    """An integer tensor (plain or DTensor) of index or size values -> an int (0-dim) or a
+    list of ints, read on the controller (a DTensor's values are fetched: one round trip)."""
+    if v.dtype.is_floating_point or v.dtype.is_complex or v.dtype is torch.bool:
+        raise TypeError(f"{what} must be an integer tensor, got {v.dtype}; pass "
+                        f"t.long() or a list of ints")
+    if v.ndim > 1:
+        raise TypeError(f"{what} must be a 0-dim or 1-D tensor, got shape {tuple(v.shape)}")
+    return v.tolist()
+
+
+def _tensor_split_prep(args, kwargs):
+    """``tensor_split(x, t)``: ``t`` (plain or DTensor) -> its ints, which torch takes too."""
+    if len(args) > 1 and _is_tensor(args[1]):
+        args = (args[0], index_values(args[1], "tensor_split: indices_or_sections"), *args[2:])
+    v = kwargs.pop("tensor_indices_or_sections", None)
+    if v is not None:
+        values = index_values(v, "tensor_split: tensor_indices_or_sections") if \
+            _is_tensor(v) else v
+        kwargs["sections" if isinstance(values, int) else "indices"] = values
+    return args, kwargs
+
+
 @rule("transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis", "unsqueeze",
-      "narrow", "select", "split", "chunk", "unbind", "tensor_split", "hsplit", "vsplit",
+      "narrow", "select", "split", "chunk", "unbind", "hsplit", "vsplit",
       "split_with_sizes", "diagonal", "adjoint", family="shape", arg_names=("input",))
 def view_rule(op):
     x = op.tensors[0]
@@ -118,6 +147,9 @@ def view_rule(op):
             op.fail(m, LEGAL_VIEW, {x: with_dim(x.placements, m, R)},
                     f"{op.name} cuts along dim {cut}, which is sharded")
     return view_placements(op, x, traced_outputs(op, x))
+
+
+rule("tensor_split", family="shape", arg_names=("input",), prep=_tensor_split_prep)(view_rule)
 
 
 
@@ -306,14 +338,45 @@ def roll_rule(op):
     return _dims_untouched(op, x, _as_dims(op.arg(2, "dims"), x.ndim), "rolls")
 
 
-@rule("repeat_interleave", family="shape", arg_names=("input", "repeats", "dim"))
+def repeat_counts(input, repeats=None, dim=None, *, output_size=None):
+    """``torch.repeat_interleave`` where per-element ``repeats`` arrive as a tuple of ints
+    (see :func:`_repeats_prep`): the meta function and the ranks' local kernel."""
+    if isinstance(repeats, tuple):
+        if output_size is None:
+            output_size = sum(repeats)
+        repeats = torch.tensor(repeats, dtype=torch.int64, device=input.device)
+    return torch.repeat_interleave(input, repeats, dim, output_size=output_size)
+
+
+def _repeats_prep(args, kwargs):
+    """``repeats`` given as a tensor (plain or DTensor) -> an int, or a tuple of ints."""
+    if len(args) > 1:
+        args = (args[0], _repeat_values(args[1]), *args[2:])
+    elif "repeats" in kwargs:
+        kwargs["repeats"] = _repeat_values(kwargs["repeats"])
+    return args, kwargs
+
+
+def _repeat_values(v):
+    if not _is_tensor(v):
+        return v
+    values = index_values(v, "repeat_interleave: repeats")
+    return values if isinstance(values, int) else tuple(values)
+
+
+@rule("repeat_interleave", family="shape", arg_names=("input", "repeats", "dim"),
+      meta=repeat_counts, prep=_repeats_prep)
 def repeat_interleave_rule(op):
     x = op.tensors[0]
-    if type(op.arg(1, "repeats")) is TArg or op.arg(2, "dim") is None:
-        op.fail(None, "an int repeat count along a given dim that is not sharded", {},
-                "repeat_interleave needs an int count and a dim here")
-    d = op.arg(2, "dim") % x.ndim
-    return _dims_untouched(op, x, (d,), "repeats along")
+    repeats, dim = op.arg(1, "repeats"), op.arg(2, "dim")
+    if type(repeats) is TArg or repeats is None:
+        op.fail(None, "int repeats, or repeats given as a tensor of ints", {},
+                "repeat_interleave(repeats) alone gives a shape that depends on the values")
+    dims = tuple(range(x.ndim)) if dim is None else (dim % max(x.ndim, 1),)
+    placements = _dims_untouched(op, x, dims, "repeats along")
+    if isinstance(repeats, tuple):
+        return Decision((placements,), repeat_counts, None, None)
+    return placements
 
 
 @rule(torch.Tensor.repeat, family="shape", arg_names=("input", "sizes"))
