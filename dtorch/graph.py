@@ -48,8 +48,9 @@ class Graph:
 
 
 def default_mesh(device_type: str | None = None) -> DeviceMesh:
-    """The guarded mesh, else a one-rank mesh on rank 0."""
+    """The mesh of a tensor or module made without one: the innermost ``device_mesh_guard``'s,
+    else the whole cluster as a 1-D mesh (``DeviceMesh(device_type)``, as DESIGN.md says)."""
     mesh = Graph.default_graph().device_mesh
     if mesh is not None:
         return mesh
-    return DeviceMesh(device_type or "cpu", [0])
+    return DeviceMesh(device_type or "cpu")

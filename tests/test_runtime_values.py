@@ -106,9 +106,10 @@ def test_random_on_sub_mesh_keeps_generators_in_step(live):
     assert torch.equal(b.to_torch(), torch.randn(4))
 
 
-def test_default_mesh_is_one_rank(live):
+def test_default_mesh_is_the_whole_cluster_or_the_guarded_one(live):
     x = dtorch.ones(2, 3)
-    assert x.device_mesh == DeviceMesh("cpu", [0]) and x.placements == (Replicate(),)
+    assert x.device_mesh == DeviceMesh("cpu", [0, 1, 2, 3]) == DeviceMesh("cpu")
+    assert x.placements == (Replicate(),)
     with dtorch.Graph.default_graph().device_mesh_guard(DeviceMesh("cpu", [1, 3])):
         y = dtorch.zeros(4, placements=[Shard(0)])
     assert y.device_mesh.ranks == (1, 3)

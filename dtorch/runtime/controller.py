@@ -168,11 +168,13 @@ class Controller:
         if new:
             self.issue(m.SetupMesh(tuple(new), self.backend))
 
-    def flush(self, answer: int | None = None, answer_ranks=()) -> dict:
+    def flush(self, answer: int | None = None, answer_ranks=(), delivered: bool = False) -> dict:
         """Ship everything pending as one batch to every rank.
 
         With ``answer``, the submit calls to ``answer_ranks`` also bring back the answer to
         that request (one round trip instead of two); returns ``{rank: ActorFuture}`` then.
+        With ``delivered``, returns every rank's submit future (done once the rank holds the
+        batch: a caller streaming large staged data waits on them to bound its memory).
         """
         with self._lock:
             if self._freed:
@@ -193,9 +195,13 @@ class Controller:
                     wanted = answer if info.rank in answer_ranks else None
                     fut = self._call(info.rank, "submit", seq, payload, blobs.get(info.rank),
                                      wanted, quick)
-                    if wanted is not None:
+                    if wanted is not None or delivered:
                         futures[info.rank] = fut
             return futures
+
+    def deliver(self) -> None:
+        """Flush and wait until every rank has received the batch (not run it)."""
+        self.wait(self.flush(delivered=True))
 
     # answers ---------------------------------------------------------------------------------
     def request(self, make, ranks) -> dict:

@@ -46,6 +46,7 @@ class Poison(NamedTuple):
 MAX_KEPT_ERRORS = 100
 
 _DETERMINISTIC = {"zeros": torch.zeros, "ones": torch.ones, "empty": torch.empty}
+_BLOCKWISE = {"init_uniform": torch.Tensor.uniform_, "init_normal": torch.Tensor.normal_}
 
 
 def _global_factory(fn: str, args, kwargs, shape, dtype, gen):
@@ -184,6 +185,8 @@ class Interpreter:
 
     def _make(self, instr: m.Create, member: bool):
         coord = instr.mesh.get_coordinate(self.rank) if member else None
+        if instr.fn in _BLOCKWISE:
+            return self._blockwise(instr, coord) if member else None
         if instr.fn in _DETERMINISTIC or instr.fn == "full":
             if not member:
                 return None
@@ -198,6 +201,18 @@ class Interpreter:
         if not member:
             return None
         return layout.shard_of(full, instr.mesh, instr.placements, coord).to(self.device)
+
+    def _blockwise(self, instr: m.Create, coord):
+        """A parameter initialised block by block: each rank draws only its own block, from
+        a generator seeded by (seed, the block's offset), so ranks holding the same block
+        (Replicate dims) draw the same values and nobody builds the whole tensor."""
+        block = layout.rank_block(instr.shape, instr.mesh, instr.placements, coord)
+        if not layout.holds_value(instr.mesh, instr.placements, coord):
+            return torch.zeros(block.shape, dtype=instr.dtype, device=self.device)
+        gen = torch.Generator().manual_seed(hash((instr.args[0],) + block.offset) & (2**62 - 1))
+        out = torch.empty(block.shape, dtype=instr.dtype)
+        _BLOCKWISE[instr.fn](out, *instr.args[1:], generator=gen)
+        return out.to(self.device)
 
     def _load(self, instr: m.Load):
         if self.rank in instr.ranks:
