@@ -23,7 +23,8 @@ from ..tensor import DTensor, make_spec
 from ..placement import Replicate
 from . import generic
 from .infer import Outputs, describe, rebuild, to_meta, to_zeros
-from .registry import OpCall, TArg, as_decision, display_name, lookup
+from .registry import PREP as _PREP
+from .registry import OpCall, TArg, as_decision, display_name, lookup, prep_call
 
 _CACHE_MAX = 50_000
 _NOCACHE = object()
@@ -152,6 +153,8 @@ def _fast_binary(func, args):
 
 
 def _dispatch(func, args, kwargs=None):
+    if func in _PREP:  # index/size values given as tensors (tensor_split's indices) -> ints
+        args, kwargs = prep_call(func, args, kwargs)
     key = [func]
     tensors: list = []
     cargs = []
