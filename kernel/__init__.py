@@ -6,7 +6,8 @@ An IPython kernel that hosts the dtorch controller. Install its kernelspec with:
 
 and pick "dtorch (Python 3)" in Jupyter. After every cell the kernel flushes pending work,
 shows worker errors as that cell's error and, when the cell issued collectives, one summary
-line of them. ``%dtorch status | restart | shutdown | counts on | counts off`` control it.
+line of them (``last_cell_records()`` returns the last cell's). ``%dtorch status | restart |
+shutdown | counts on | counts off`` control it.
 
 The same per-cell behaviour is available in any IPython session or plain ipykernel with
 ``%load_ext dtorch_kernel``. Modules (one concept each):
@@ -32,6 +33,13 @@ def load_ipython_extension(ipython) -> None:
     """``%load_ext dtorch_kernel``: per-cell flush, errors, collective summary, ``%dtorch``."""
     from .extension import load_ipython_extension as load
     load(ipython)
+
+
+def last_cell_records(shell=None):
+    """The collectives (CommRecords) of the last cell that finished, or None outside the
+    dtorch kernel. ``dtorch_widgets.CommView()`` shows them."""
+    from .extension import last_cell_records as last
+    return last(shell)
 
 
 def unload_ipython_extension(ipython) -> None:

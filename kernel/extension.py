@@ -66,6 +66,17 @@ def load_ipython_extension(shell) -> KernelState:
     return state
 
 
+def last_cell_records(shell=None) -> list | None:
+    """The CommRecords of the last cell that finished in ``shell`` (default: the running
+    IPython shell), or None where the dtorch kernel (or ``%load_ext dtorch_kernel``) is not
+    running. Called from a cell, that is the previous cell."""
+    if shell is None:
+        from IPython import get_ipython
+        shell = get_ipython()
+    state = getattr(shell, "_dtorch_state", None)
+    return None if state is None else list(state.report.last_records)
+
+
 def unload_ipython_extension(shell) -> None:
     state = getattr(shell, "_dtorch_state", None)
     if state is not None:

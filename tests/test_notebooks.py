@@ -5,6 +5,8 @@ error here. The kernelspec is installed into a temporary prefix and found throug
 JUPYTER_PATH; each notebook gets its own kernel and embedded 4-rank cluster.
 """
 
+import json
+import re
 import subprocess
 import sys
 import time
@@ -48,6 +50,35 @@ def test_the_four_seed_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
     for prefix in ("01_", "02_", "03_", "04_"):
         assert any(n.startswith(prefix) for n in names), names
+
+
+def notebook_references(text: str) -> set[str]:
+    """Every ``.ipynb`` file name in ``text`` (markdown links, backticked names, bare names).
+
+    >>> sorted(notebook_references("Next: [a](02_x.ipynb) or `03_y.ipynb`, see 04_z.ipynb."))
+    ['02_x.ipynb', '03_y.ipynb', '04_z.ipynb']
+    """
+    return set(re.findall(r"[\w./-]*\.ipynb", text))
+
+
+def test_notebook_links_name_existing_files():
+    names = {p.name for p in NOTEBOOKS}
+    found = {}
+    for path in NOTEBOOKS:
+        for cell in json.loads(path.read_text())["cells"]:
+            for ref in notebook_references("".join(cell["source"])):
+                found.setdefault(ref, []).append(path.name)
+    for doc in (ROOT / "docs" / "jupyter.md", ROOT / "README.md"):
+        for ref in notebook_references(doc.read_text()):
+            found.setdefault(ref, []).append(doc.name)
+    missing = {ref: where for ref, where in found.items()
+               if not (ROOT / "notebooks" / ref).is_file() and ref not in names}
+    assert not missing, f"references to notebooks that do not exist: {missing}"
+    # the "Next:" links are real markdown links, so they can be clicked in JupyterLab
+    assert {"02_collectives.ipynb", "03_partial_and_matmul.ipynb"} <= set(found)
+    for src, dst in (("01_", "02_collectives.ipynb"), ("02_", "03_partial_and_matmul.ipynb")):
+        nb, = [p for p in NOTEBOOKS if p.name.startswith(src)]
+        assert f"]({dst})" in nb.read_text(), (nb.name, dst)
 
 
 @pytest.mark.timeout(300)

@@ -1,12 +1,18 @@
 """Widgets: state of the mesh, shard and collective views, and the static HTML reprs.
 
 Everything here runs headless: widgets are built and their state read without a frontend.
+Views of real DTensors use the session cluster; ``CommView()`` (the previous cell's
+collectives) runs in a real dtorch kernel.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import subprocess
+import sys
+from html import escape
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -14,6 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import dtorch
+import dtorch_kernel
 from dtorch import DeviceMesh, MeshError, Partial, Replicate, Shard, init_device_mesh
 from dtorch.comm_debug import CommDebugMode, CommRecord, record_steps
 from dtorch.layout import rank_blocks, shard_of
@@ -21,6 +29,7 @@ from dtorch.redistribute import plan_redistribute
 from dtorch_widgets import (CommView, MeshView, ShardView, comm_html, dtensor_html, mesh_html,
                             shard_html)
 from dtorch_widgets import display as wdisplay
+from dtorch_widgets.comm_view import NO_CELLS
 from dtorch_widgets.svg import MAX_HTML_CHARS, cap_html
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -250,6 +259,51 @@ def test_shard_view_of_duck_typed_dtensor(mesh22):
     assert ">9</text>" in shown.html
 
 
+def test_shard_view_takes_a_real_dtensor(mesh2d):
+    full = torch.arange(20.0).reshape(5, 4)
+    d = dtorch.distribute_tensor(full, mesh2d, [Shard(0), Shard(1)])
+    v = ShardView(d)  # what a user types first
+    assert v.values is None and v.title == "DTensor float32"
+    assert (v.shape, v.mesh, v.placements) == ((5, 4), mesh2d, (Shard(0), Shard(1)))
+    assert v.local_shapes == d.local_shapes() == {0: (3, 2), 1: (3, 2), 2: (2, 2), 3: (2, 2)}
+    assert v.block_owners == ShardView.of(d).block_owners
+    shown = ShardView(d, show_values=True)
+    assert shown.show_values and all(torch.equal(shown.values[r], d.to_local(r))
+                                     for r in mesh2d.ranks)
+    assert ">19</text>" in shown.html  # the last element, drawn in rank 3's block
+
+
+@pytest.mark.parametrize("args, says", [
+    (lambda m, x: (torch.zeros(4, 4),), "got ShardView(torch.Tensor) with no mesh and placements"),
+    (lambda m, x: ((4, 4),), "got ShardView(tuple) with no mesh and placements"),
+    (lambda m, x: ((4, 4), m), "placements=None"),
+    (lambda m, x: (x, m, [Shard(0), Shard(1)]), "FakeDTensor, mesh=DeviceMesh("),
+], ids=["tensor", "shape alone", "no placements", "dtensor and a mesh"])
+def test_shard_view_says_what_to_pass(mesh22, args, says):
+    x = FakeDTensor(torch.zeros(4, 4), mesh22, [Shard(0), Shard(1)])
+    with pytest.raises(TypeError) as err:
+        ShardView(*args(mesh22, x))
+    assert "ShardView(dtensor, show_values=False)" in str(err.value)
+    assert "ShardView(shape, mesh, placements, values=None)" in str(err.value)
+    assert says in str(err.value)
+
+
+def test_shard_view_of_takes_only_a_dtensor():
+    with pytest.raises(TypeError, match="ShardView.of takes a DTensor; got tuple"):
+        ShardView.of((4, 4))
+
+
+def test_mesh_view_takes_a_mesh_or_a_dtensor(mesh2d):
+    d = dtorch.distribute_tensor(torch.zeros(4, 4), mesh2d, [Shard(0), Replicate()])
+    from_tensor = MeshView(d, highlight_dim="tp")
+    assert from_tensor.mesh == mesh2d and from_tensor.grid == [[0, 1], [2, 3]]
+    assert from_tensor.highlighted_groups == ((0, 1), (2, 3))
+    assert from_tensor.html == MeshView(mesh2d, highlight_dim="tp").html
+    for wrong, name in ((torch.zeros(2), "torch.Tensor"), ((2, 2), "tuple")):
+        with pytest.raises(TypeError, match=rf"MeshView takes a dtorch DeviceMesh .*got {name}"):
+            MeshView(wrong)
+
+
 # ---------------------------------------------------------------------------------------------
 # collective view
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +342,22 @@ def test_comm_view_empty_and_plain_list():
     recs = [CommRecord("all_to_all", 0, None, ((0, 1),), 8)] * 3
     v = CommView(recs)
     assert v.rows == [("all_to_all", "0", 3, 24, 48)]
+
+
+def test_comm_view_says_what_to_pass(mesh22):
+    for wrong in (CommRecord("all_gather", 0, None, ((0, 1),), 8), "all_gather", 3,
+                  FakeDTensor(torch.zeros(4), mesh22, [Shard(0), Replicate()])):
+        with pytest.raises(TypeError, match="CommView takes a dtorch.CommDebugMode, a "
+                                            "CommLedger or a list of CommRecords"):
+            CommView(wrong)
+
+
+def test_comm_view_with_no_argument_outside_the_kernel():
+    v = CommView()
+    assert v.records == [] and v.counts == {} and v.title == "Collectives of the previous cell"
+    assert v.note == NO_CELLS and "dtorch.CommDebugMode() as mode" in v.note
+    assert escape(NO_CELLS) in v.html and escape(NO_CELLS) in v.static_html()
+    assert dtorch_kernel.last_cell_records() is None
 
 
 def test_comm_html_table_and_timeline(mesh22):
@@ -416,3 +486,78 @@ def test_widgets_are_fast_to_build(mesh22):
         MeshView(mesh22, highlight_dim="dp")
         ShardView((16, 16), mesh22, [Shard(0), Partial()])
     assert time.perf_counter() - t < 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# CommView() in a real dtorch kernel: the previous cell's collectives
+# ---------------------------------------------------------------------------------------------
+MOVE_CELL = """
+import torch, dtorch, dtorch_kernel
+from dtorch import init_device_mesh, Shard, Replicate, CommDebugMode
+from dtorch_widgets import CommView
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+d = dtorch.distribute_tensor(torch.arange(16.).reshape(4, 4), mesh, [Shard(0), Shard(1)])
+with CommDebugMode() as m:
+    r = d.redistribute(placements=[Replicate(), Replicate()])
+"""
+VIEW_CELL = """
+assert dtorch_kernel.last_cell_records() == m.get_comm_records()
+v = CommView()
+v
+"""
+STATE_CELL = """
+import json
+quiet = CommView()   # the previous cell ran nothing
+print(json.dumps({"counts": v.counts, "expected": m.get_comm_counts(), "title": v.title,
+                  "dims": sorted(v.dim_buttons.options), "quiet": quiet.counts,
+                  "quiet_note": quiet.note}))
+"""
+
+
+@pytest.fixture(scope="module")
+def dtorch_kernel_client(tmp_path_factory):
+    """A started dtorch kernel (kernelspec installed into a temp prefix); its client."""
+    jupyter_client = pytest.importorskip("jupyter_client")
+    prefix = tmp_path_factory.mktemp("jupyter-prefix")
+    subprocess.run([sys.executable, "-m", "dtorch_kernel", "install", "--prefix", str(prefix)],
+                   check=True, capture_output=True, text=True, timeout=120)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
+        mp.setenv("DTORCH_WORKERS", "4")
+        km = jupyter_client.KernelManager(kernel_name="dtorch")
+        km.shutdown_wait_time = 30
+        km.start_kernel()
+        kc = km.client()
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=120)
+            yield kc
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=False)
+
+
+def run_cell(kc, code: str) -> list[tuple[str, dict]]:
+    """Execute ``code``; its (msg_type, content) outputs. Fails on a cell error."""
+    outputs = []
+    reply = kc.execute_interactive(code, timeout=180, output_hook=lambda msg: outputs.append(
+        (msg["msg_type"], msg["content"])))
+    assert reply["content"]["status"] == "ok", outputs
+    return outputs
+
+
+@pytest.mark.timeout(300)
+def test_comm_view_with_no_argument_shows_the_previous_cell(dtorch_kernel_client):
+    kc = dtorch_kernel_client
+    run_cell(kc, MOVE_CELL)
+    shown = [c["data"] for t, c in run_cell(kc, VIEW_CELL) if t == "execute_result"]
+    assert len(shown) == 1 and WIDGET_MIME in shown[0]
+    assert "Collectives of the previous cell" in shown[0]["text/html"]
+    assert "all_gather" in shown[0]["text/html"]
+    out = run_cell(kc, STATE_CELL)
+    state = json.loads("".join(c["text"] for t, c in out if t == "stream"
+                               and c["name"] == "stdout"))
+    assert state["counts"] == state["expected"] == {"all_gather": 2}
+    assert state["title"] == "Collectives of the previous cell"
+    assert state["dims"] == ["all", "dp", "tp"]
+    assert state["quiet"] == {} and state["quiet_note"] == "the previous cell ran no collectives"

@@ -90,10 +90,11 @@ def comm_timeline_svg(records) -> str:
                                                                    "collectives")
 
 
-def comm_html(records, title=None) -> str:
+def comm_html(records, title=None, note=None) -> str:
     """Counts and bytes per collective kind and mesh dim, then a timeline in issue order.
 
-    ``records`` is a list of CommRecords, a CommLedger or a CommDebugMode.
+    ``records`` is a list of CommRecords, a CommLedger or a CommDebugMode; ``note`` is what
+    an empty picture says (default "no collectives").
 
     >>> from dtorch.comm_debug import CommRecord
     >>> h = comm_html([CommRecord("all_reduce", 1, "tp", ((0, 1), (2, 3)), 64, "sum")])
@@ -105,6 +106,6 @@ def comm_html(records, title=None) -> str:
     records = records_of(records)
     head = f"<b>{escape(title or 'Collectives')}</b> · {len(records)} issued"
     if not records:
-        return S.box(head, S.note("no collectives"))
+        return S.box(head, S.note(note or "no collectives"))
     out = S.box(head, comm_table_html(records), comm_timeline_svg(records))
     return S.cap_html(out, S.box(head, S.note("(too large to draw)")))

@@ -1,7 +1,9 @@
 """CommView: counts and bytes of collectives per kind and mesh dim, and their timeline.
 
 Takes the records of a cell or of a ``CommDebugMode`` block (a list of CommRecords, a
-CommLedger, or the mode itself). An ``ipywidgets.VBox`` of a mesh-dim filter, the table from
+CommLedger, or the mode itself); ``CommView()`` with no argument shows the previous cell's
+collectives in the dtorch kernel (:func:`dtorch_kernel.last_cell_records`), and elsewhere an
+empty view saying what to pass. An ``ipywidgets.VBox`` of a mesh-dim filter, the table from
 :func:`dtorch_widgets.comm_picture.comm_table_html` and a matplotlib timeline shown as a PNG image.
 Example::
 
@@ -13,6 +15,8 @@ Example::
     ({'all_gather': 1, 'all_reduce': 1}, [('all_gather', 'dp', 1, 32, 128), ('all_reduce', 'tp', 1, 64, 256)])
     >>> v.select_dim("tp").counts
     {'all_reduce': 1}
+    >>> CommView().note.startswith("CommView() shows the previous cell's")  # no kernel here
+    True
 """
 
 from __future__ import annotations
@@ -23,18 +27,47 @@ from html import escape
 import ipywidgets as W
 
 from . import svg as S
-from .display import StaticFallback
-from .comm_picture import (comm_html, comm_rows, comm_table_html, kind_color, record_dim,
-                   records_of)
+from .display import StaticFallback, type_name
+from .comm_picture import comm_html, comm_rows, comm_table_html, kind_color, record_dim
 
 ALL = "all"
+LAST_CELL = "Collectives of the previous cell"
+NO_CELLS = ("CommView() shows the previous cell's collectives in the dtorch kernel; here there "
+            "are no cells. Pass records: with dtorch.CommDebugMode() as mode: ... then "
+            "CommView(mode)")
+
+
+def last_cell() -> tuple[list, str]:
+    """``(records, note)``: the previous cell's records in the dtorch kernel, else
+    ``([], NO_CELLS)``."""
+    from dtorch_kernel import last_cell_records
+    records = last_cell_records()
+    if records is None:
+        return [], NO_CELLS
+    return records, "the previous cell ran no collectives"
+
+
+def checked_records(source) -> list:
+    """The CommRecords of ``source`` (a list, a CommLedger or a CommDebugMode); TypeError for
+    anything else."""
+    records = getattr(source, "records", source)
+    if not isinstance(records, (list, tuple)) or not all(
+            hasattr(r, "kind") and hasattr(r, "bytes_per_rank") for r in records):
+        raise TypeError(f"CommView takes a dtorch.CommDebugMode, a CommLedger or a list of "
+                        f"CommRecords (or nothing: the previous cell's); got {type_name(source)}")
+    return list(records)
 
 
 class CommView(StaticFallback, W.VBox):
-    """Interactive view of collectives ``records``; ``title`` names the cell or block."""
+    """Interactive view of collectives ``records`` (None: the previous cell's); ``title``
+    names the cell or block; ``note`` is what an empty view says."""
 
-    def __init__(self, records, title=None, **kwargs):
-        self.all_records = records_of(records)
+    def __init__(self, records=None, title=None, **kwargs):
+        if records is None:
+            self.all_records, self.note = last_cell()
+            title = title or LAST_CELL
+        else:
+            self.all_records, self.note = checked_records(records), None
         self.title = title or "Collectives"
         dims = []
         for rec in self.all_records:
@@ -92,6 +125,7 @@ class CommView(StaticFallback, W.VBox):
         rank, colour = kind (at most ``svg.MAX_TIMELINE`` bars)."""
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
+        from matplotlib.ticker import MaxNLocator
 
         recs = self.records
         shown = recs[:S.MAX_TIMELINE]
@@ -106,6 +140,7 @@ class CommView(StaticFallback, W.VBox):
         more = f" (first {len(shown)} of {len(recs)})" if len(recs) > len(shown) else ""
         ax.set_title(f"collectives in issue order{more}", fontsize=9)
         ax.set_xlabel("#", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # collective numbers, not 0.25
         ax.set_ylabel("bytes per rank", fontsize=8)
         ax.tick_params(labelsize=7)
         fig.tight_layout()
@@ -120,7 +155,7 @@ class CommView(StaticFallback, W.VBox):
     def static_html(self) -> str:
         """Table and timeline of the records shown, as static HTML (also put in the widget's
         mime bundle)."""
-        return comm_html(self.records, self.title)
+        return comm_html(self.records, self.title, note=self.note)
 
     @property
     def html(self) -> str:
@@ -139,6 +174,6 @@ class CommView(StaticFallback, W.VBox):
             self.timeline.value = self.timeline_png()
             self.timeline.layout.display = None
         else:
-            self.table.value = S.note("no collectives")
+            self.table.value = S.note(self.note or "no collectives")
             self.timeline.value = b""
             self.timeline.layout.display = "none"

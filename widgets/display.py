@@ -76,6 +76,16 @@ def comm_mimebundle(records, title=None, include=None, exclude=None) -> dict:
     return bundle(comm_html(records, title), lambda: CommView(records, title), include, exclude)
 
 
+def type_name(x) -> str:
+    """The type of ``x`` as an error message names it: ``tuple``, ``torch.Tensor``.
+
+    >>> type_name((4, 4)), type_name(1.5)
+    ('tuple', 'float')
+    """
+    mod = type(x).__module__.split(".")[0]
+    return type(x).__qualname__ if mod == "builtins" else f"{mod}.{type(x).__qualname__}"
+
+
 class StaticFallback:
     """Mixin for the views: their mime bundle carries their static picture as ``text/html``
     too, so a saved notebook still shows it where widgets do not render (GitHub, nbconvert).

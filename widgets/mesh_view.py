@@ -1,5 +1,7 @@
 """MeshView: the rank grid of a DeviceMesh; choosing a dim highlights its rank groups.
 
+``MeshView(mesh)`` takes a DeviceMesh, or a DTensor (then it shows the tensor's mesh).
+
 An ``ipywidgets.VBox`` of a ToggleButtons (``none`` and one button per mesh dim) and an
 ``HTML`` picture from :func:`dtorch_widgets.html.mesh_html`. Its state can be read and set
 without a frontend. Example::
@@ -19,17 +21,36 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from .display import StaticFallback
+from .display import StaticFallback, type_name
 from .html import dim_label, mesh_html
 
 NONE = -1  # the ToggleButtons value for "no dim highlighted"
+MESH_ATTRS = ("ranks", "ndim", "mesh_list", "groups", "dim_index")
+
+
+def mesh_of(x):
+    """``x`` if it is a DeviceMesh, a DTensor's ``device_mesh``; TypeError otherwise.
+
+    >>> from types import SimpleNamespace
+    >>> from dtorch import init_device_mesh
+    >>> m = init_device_mesh("cpu", 2)
+    >>> mesh_of(SimpleNamespace(device_mesh=m)) is m
+    True
+    """
+    mesh = getattr(x, "device_mesh", x)
+    if not all(hasattr(mesh, a) for a in MESH_ATTRS):
+        raise TypeError(f"MeshView takes a dtorch DeviceMesh (or a DTensor, to show its mesh), "
+                        f"e.g. MeshView(init_device_mesh('cpu', (2, 2))); got "
+                        f"{type_name(x)}")
+    return mesh
 
 
 class MeshView(StaticFallback, W.VBox):
-    """Interactive picture of ``mesh``; ``highlight_dim`` (index or name) starts selected."""
+    """Interactive picture of ``mesh`` (a DeviceMesh, or a DTensor's mesh);
+    ``highlight_dim`` (index or name) starts selected."""
 
     def __init__(self, mesh, highlight_dim=None, **kwargs):
-        self.mesh = mesh
+        self.mesh = mesh = mesh_of(mesh)
         options = [("none", NONE)] + [(dim_label(mesh, d), d) for d in range(mesh.ndim)]
         self.buttons = W.ToggleButtons(options=options, value=NONE, description="groups:",
                                        style={"button_width": "auto"})

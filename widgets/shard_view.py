@@ -1,10 +1,11 @@
 """ShardView: which rank holds which block of a distributed tensor.
 
-Takes a plain description, ``ShardView(shape, mesh, placements, values=None)`` with
-``values`` an optional ``{rank: local torch.Tensor}``, or reads a DTensor-like object with
-``ShardView.of(dtensor)``. An ``ipywidgets.VBox``: a rank picker (highlight what one rank
-holds), a values checkbox, and the picture from :func:`dtorch_widgets.html.tiling_html`.
-All state is readable without a frontend. Example::
+Takes the DTensor you hold, ``ShardView(dtensor, show_values=False)`` (``show_values=True``
+fetches each rank's shard), or a plain description, ``ShardView(shape, mesh, placements,
+values=None)`` with ``values`` an optional ``{rank: local torch.Tensor}``. An
+``ipywidgets.VBox``: a rank picker (highlight what one rank holds), a values checkbox, and the
+picture from :func:`dtorch_widgets.html.tiling_html`. All state is readable without a
+frontend. Example::
 
     >>> from dtorch import init_device_mesh, Shard, Replicate, Partial
     >>> m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -24,26 +25,60 @@ import math
 
 import ipywidgets as W
 
-from .display import StaticFallback
+from .display import StaticFallback, type_name
 from .html import tiling_html
 from .tiles import Tiling
 
 NONE = -1  # rank picker value for "all ranks"
 MAX_PICKER = 256  # ranks listed in the picker; larger meshes get a number box
+USAGE = ("ShardView takes a DTensor, ShardView(dtensor, show_values=False), or a plain "
+         "description, ShardView(shape, mesh, placements, values=None)")
+
+
+def is_dtensor(x) -> bool:
+    """Whether ``x`` looks like a DTensor (has ``shape``, ``device_mesh`` and ``placements``)."""
+    return all(hasattr(x, a) for a in ("shape", "device_mesh", "placements"))
+
+
+def _rank_picker(mesh):
+    """A dropdown of the mesh's ranks ("all" first), or a number box on a big mesh."""
+    if len(mesh.ranks) > MAX_PICKER:
+        return W.IntText(value=NONE, description="highlight rank:")
+    opts = [("all", NONE)] + [(f"rank {r}", r) for r in mesh.ranks]
+    return W.Dropdown(options=opts, value=NONE, description="highlight:")
+
+
+def _describe(dtensor, values, title, show_values):
+    """``(shape, mesh, placements, values, title)`` of a DTensor; fetches each rank's shard
+    only for ``show_values``."""
+    if not is_dtensor(dtensor):
+        raise TypeError(f"{USAGE}; got ShardView({type_name(dtensor)}) with no mesh and "
+                        f"placements")
+    mesh = dtensor.device_mesh
+    if values is None and show_values:
+        values = {r: dtensor.to_local(r) for r in mesh.ranks}
+    if title is None:
+        dtype = getattr(dtensor, "dtype", None)
+        title = "DTensor" + (f" {str(dtype).replace('torch.', '')}" if dtype is not None else "")
+    return tuple(dtensor.shape), mesh, dtensor.placements, values, title
 
 
 class ShardView(StaticFallback, W.VBox):
-    """Blocks of a ``shape`` tensor laid out by ``placements`` on ``mesh``, by owning rank."""
+    """Blocks of a DTensor (``source``), or of a ``source``-shaped tensor laid out by
+    ``placements`` on ``mesh``, by owning rank."""
 
-    def __init__(self, shape, mesh, placements, values=None, title=None, **kwargs):
-        self.tiling = Tiling(shape, mesh, placements)
+    def __init__(self, source, mesh=None, placements=None, values=None, title=None,
+                 show_values: bool = False, **kwargs):
+        if mesh is None and placements is None:
+            source, mesh, placements, values, title = _describe(source, values, title,
+                                                                show_values)
+        elif mesh is None or placements is None or is_dtensor(source):
+            raise TypeError(USAGE + f"; got ShardView({type_name(source)}, mesh={mesh!r}, "
+                                    f"placements={placements!r})")
+        self.tiling = Tiling(source, mesh, placements)
         self.values = dict(values) if values is not None else None
         self.title = title
-        if len(mesh.ranks) <= MAX_PICKER:
-            opts = [("all", NONE)] + [(f"rank {r}", r) for r in mesh.ranks]
-            self.rank_picker = W.Dropdown(options=opts, value=NONE, description="highlight:")
-        else:
-            self.rank_picker = W.IntText(value=NONE, description="highlight rank:")
+        self.rank_picker = _rank_picker(mesh)
         self.values_box = W.Checkbox(value=values is not None, description="values",
                                      disabled=values is None, indent=False)
         self.picture = W.HTML()
@@ -55,8 +90,7 @@ class ShardView(StaticFallback, W.VBox):
 
     @classmethod
     def of(cls, dtensor, show_values: bool = False, **kwargs) -> "ShardView":
-        """The view of a DTensor (anything with ``shape``, ``device_mesh``, ``placements``
-        and, for ``show_values=True``, ``to_local(rank)``).
+        """The view of a DTensor; the same as ``ShardView(dtensor, show_values=...)``.
 
         >>> from types import SimpleNamespace
         >>> from dtorch import init_device_mesh, Shard
@@ -65,12 +99,9 @@ class ShardView(StaticFallback, W.VBox):
         >>> ShardView.of(x).local_shapes
         {0: (2,), 1: (2,)}
         """
-        mesh = dtensor.device_mesh
-        values = {r: dtensor.to_local(r) for r in mesh.ranks} if show_values else None
-        dtype = getattr(dtensor, "dtype", None)
-        title = "DTensor" + (f" {str(dtype).replace('torch.', '')}" if dtype is not None else "")
-        return cls(tuple(dtensor.shape), mesh, dtensor.placements, values=values, title=title,
-                   **kwargs)
+        if not is_dtensor(dtensor):
+            raise TypeError(f"ShardView.of takes a DTensor; got {type_name(dtensor)}")
+        return cls(dtensor, show_values=show_values, **kwargs)
 
     # layout state ---------------------------------------------------------------------------
     @property
