@@ -168,6 +168,15 @@ def cluster_info() -> dict:
             "embedded": c.cluster is not None, "live_tensors": c.live_tensors}
 
 
+def rank_stats() -> list[dict]:
+    """Per rank: tensors held and their bytes, collectives run, instructions, process RSS.
+
+    >>> [s["bytes"] for s in dtorch.rank_stats()]              # doctest: +SKIP
+    [400, 400, 400, 400]
+    """
+    return get_controller().stats()
+
+
 def shutdown() -> None:
     """Stop the ranks and the embedded cluster; DTensors made before become unusable."""
     global _controller

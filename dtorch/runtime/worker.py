@@ -171,7 +171,7 @@ class RankActor:
     def _run_batch(self, payload: bytes, staged: bytes | None) -> None:
         try:
             instructions = pickle.loads(payload)
-            staged = pickle.loads(staged) if staged else None
+            staged = pickle.loads(staged) if isinstance(staged, bytes) else staged
         except Exception as exc:  # noqa: BLE001 - the stream is broken from here on
             self._fatal = self.interp._fail("unpickling a batch", exc).failure
             return
