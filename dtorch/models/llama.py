@@ -1,0 +1,259 @@
+"""``LlamaForCausalLM`` on a DeviceMesh: DP, TP, PP and CP from the mesh's dim names.
+
+Written with dtorch.nn in seed 004's style; the same module and parameter names as Hugging
+Face's ``LlamaForCausalLM``, so ``load_state_dict(hf_model.state_dict())`` loads as it is.
+
+- ``tp``: q/k/v/gate/up are column parallel, o/down row parallel with a Replicate output (one
+  all_reduce each), query and kv heads split across tp, the embedding sharded on its feature
+  dim, the output head sharded on the vocabulary (logits gathered);
+- ``dp``: the batch is ``Shard(0)``;
+- ``pp``: ``mesh.unbind("pp")`` stages, layers by ``assign_layers_to_stages``, activations
+  moved point to point between stages;
+- ``ring_cp`` / ``ulysses_cp`` (``ulysess_cp``): the sequence is ``Shard(1)`` of the hidden
+  states (``Shard(2)`` of Q/K/V), and ``F.scaled_dot_product_attention`` runs ring or Ulysses
+  attention.
+
+Example::
+
+    model = LlamaForCausalLM(config, device_mesh=init_device_mesh("cpu", (2, 2),
+                                                                  mesh_dim_names=("pp", "tp")))
+    model.load_state_dict(hf_model.state_dict())
+    logits = model(input_ids)                        # a DTensor [batch, seq, vocab]
+    tokens = model.generate(input_ids, max_new_tokens=8)   # greedy, a torch LongTensor
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..factories import distribute_tensor
+from ..graph import Graph
+from ..pipeline import assign_layers_to_stages
+from ..placement import Replicate, Shard
+from ..tensor import DTensor
+from .. import nn
+from ..nn.modules.linear import module_mesh
+from .llama_config import llama_settings
+from .rope import cos_sin, inverse_frequencies
+
+CP_DIMS = ("ring_cp", "ulysses_cp", "ulysess_cp")
+
+
+def activation_placements(mesh, sequence_sharded: bool = True) -> list:
+    """Placements of ``[batch, seq, ...]`` activations: batch on dp, sequence on the cp dims."""
+    names = mesh.mesh_dim_names or ("",) * mesh.ndim
+    return [Shard(0) if n == "dp" else Shard(1) if n in CP_DIMS and sequence_sharded
+            else Replicate() for n in names]
+
+
+def _tp_size(mesh) -> int:
+    idx = mesh.dim_name_index("tp") if mesh.mesh_dim_names else None
+    return 1 if idx is None else mesh.shape[idx]
+
+
+class LlamaKVCache:
+    """Per layer, the keys and values seen so far: ``[batch, kv_heads, seen, head_dim]``
+    DTensors sharded like the attention's K/V (batch on dp, heads on tp)."""
+
+    def __init__(self):
+        self.keys: dict[int, DTensor] = {}
+        self.values: dict[int, DTensor] = {}
+        self.length = 0
+
+    def update(self, layer: int, k, v):
+        """Append this step's ``k``/``v``; returns the whole keys and values."""
+        if layer in self.keys:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def gather_sequence(self) -> None:
+        """Make the cached sequence Replicate on the cp dims (decoding appends one token)."""
+        for table in (self.keys, self.values):
+            for layer, t in table.items():
+                names = t.device_mesh.mesh_dim_names or ()
+                dims = {n: Replicate() for n in names if n in CP_DIMS}
+                if dims:
+                    table[layer] = t.redistribute_by_dict(placements_dict=dims)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, s, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.heads, self.kv_heads, self.head_dim = (s.num_attention_heads, s.num_key_value_heads,
+                                                    s.head_dim)
+        bias = s.attention_bias
+        self.q_proj = nn.ColumnParallelLinear(s.hidden_size, self.heads * s.head_dim, bias)
+        self.k_proj = nn.ColumnParallelLinear(s.hidden_size, self.kv_heads * s.head_dim, bias)
+        self.v_proj = nn.ColumnParallelLinear(s.hidden_size, self.kv_heads * s.head_dim, bias)
+        self.o_proj = nn.RowParallelLinearWithReplicateOutput(self.heads * s.head_dim,
+                                                              s.hidden_size, bias)
+
+    def forward(self, h, cos, sin, cache=None):
+        b, length = h.shape[0], h.shape[1]
+        q = self.q_proj(h).view(b, length, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=length > 1,
+                                             scale=self.head_dim ** -0.5,
+                                             enable_gqa=self.heads != self.kv_heads)
+        out = out.transpose(1, 2).reshape(b, length, self.heads * self.head_dim)
+        return self.o_proj(out)
+
+
+def rotate(x, cos, sin):
+    """``x * cos + rotate_half(x) * sin`` (Hugging Face's ``apply_rotary_pos_emb``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        bias = s.mlp_bias
+        self.gate_proj = nn.ColumnParallelLinear(s.hidden_size, s.intermediate_size, bias)
+        self.up_proj = nn.ColumnParallelLinear(s.hidden_size, s.intermediate_size, bias)
+        self.down_proj = nn.RowParallelLinearWithReplicateOutput(s.intermediate_size,
+                                                                 s.hidden_size, bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, s, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(s, layer_idx)
+        self.mlp = LlamaMLP(s)
+        self.input_layernorm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+
+    def forward(self, h, cos, sin, cache=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding on the first stage, decoder layers spread over the stages, norm on the last."""
+
+    def __init__(self, s, stages, stage_of):
+        super().__init__()
+        guard = Graph.default_graph().device_mesh_guard
+        with guard(stages[0]):
+            self.embed_tokens = nn.EmbeddingWithReplicateOutput(s.vocab_size, s.hidden_size,
+                                                                s.pad_token_id)
+        self.layers = nn.ModuleList()
+        for i in range(s.num_hidden_layers):
+            with guard(stages[stage_of[i]]):
+                self.layers.append(LlamaDecoderLayer(s, i))
+        with guard(stages[-1]):
+            self.norm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Hugging Face's ``LlamaForCausalLM`` (inference) on ``device_mesh``; see module doc."""
+
+    def __init__(self, config, device_mesh=None):
+        super().__init__()
+        s = llama_settings(config)
+        self.config = s
+        self.device_mesh = module_mesh(device_mesh)
+        self.stages = self.device_mesh.unbind("pp")
+        self.stage_of = assign_layers_to_stages(s.num_hidden_layers, len(self.stages))
+        tp = _tp_size(self.stages[0])
+        for name, n in (("num_attention_heads", s.num_attention_heads),
+                        ("num_key_value_heads", s.num_key_value_heads)):
+            if n % tp:
+                raise nn.ModuleError(f"{name}={n} does not split over tp={tp}: use a tp size "
+                                     f"that divides {n}")
+        self.model = LlamaModel(s, self.stages, self.stage_of)
+        with Graph.default_graph().device_mesh_guard(self.stages[-1]):
+            self.lm_head = nn.ColumnParallelLinearWithReplicateOutput(s.hidden_size,
+                                                                      s.vocab_size, False)
+        self._inv_freq, self._rope_scaling = inverse_frequencies(s)
+        self._rope_cache: dict = {}
+
+    def _rope(self, stage, start: int, length: int, sequence_sharded: bool):
+        """cos/sin ``[1, 1, L, head_dim]`` on ``stage`` (Replicate: sliced locally under cp)."""
+        key = (stage, start, length, sequence_sharded)
+        if key not in self._rope_cache:
+            if len(self._rope_cache) > 64:
+                self._rope_cache.clear()
+            cos, sin = cos_sin(self._inv_freq, self._rope_scaling, start, length)
+            rep = [Replicate()] * stage.ndim
+            self._rope_cache[key] = tuple(distribute_tensor(t[None, None], stage, rep)
+                                          for t in (cos, sin))
+        return self._rope_cache[key]
+
+    def _tokens(self, input_ids, sequence_sharded: bool):
+        stage = self.stages[0]
+        if isinstance(input_ids, DTensor):
+            if input_ids.device_mesh != stage:
+                input_ids = input_ids.redistribute(device_mesh=stage)
+            return input_ids
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(ids.shape)}")
+        return distribute_tensor(ids, stage, activation_placements(stage, sequence_sharded))
+
+    def forward(self, input_ids, cache: LlamaKVCache | None = None):
+        """Logits ``[batch, seq, vocab]`` (a DTensor on the last stage)."""
+        start = cache.length if cache is not None else 0
+        sequence_sharded = start == 0
+        ids = self._tokens(input_ids, sequence_sharded)
+        length = ids.shape[1]
+        h = self.model.embed_tokens(ids)
+        for i, layer in enumerate(self.model.layers):
+            stage = self.stages[self.stage_of[i]]
+            h = h.redistribute(device_mesh=stage)
+            cos, sin = self._rope(stage, start, length, sequence_sharded)
+            h = layer(h, cos, sin, cache)
+        if cache is not None:
+            cache.length += length
+        h = self.model.norm(h.redistribute(device_mesh=self.stages[-1]))
+        return self.lm_head(h)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        head, embed = prefix + "lm_head.weight", prefix + "model.embed_tokens.weight"
+        if self.config.tie_word_embeddings and head not in state_dict and embed in state_dict:
+            state_dict[head] = state_dict[embed]  # a tied checkpoint may omit the head
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int, eos_token_id=None, pad_token_id=None):
+        """Greedy decoding with a sharded KV cache; returns ``[batch, seq + new]`` token ids,
+        the same as transformers' ``generate(do_sample=False)`` (finished rows padded)."""
+        ids = torch.as_tensor(input_ids.to_torch() if isinstance(input_ids, DTensor)
+                              else input_ids)
+        eos = _ids(eos_token_id if eos_token_id is not None else self.config.eos_token_id)
+        pad = pad_token_id if pad_token_id is not None else (
+            self.config.pad_token_id if self.config.pad_token_id is not None else
+            (eos[0] if eos else None))
+        cache = LlamaKVCache()
+        logits = self(ids, cache)
+        cache.gather_sequence()
+        done = torch.zeros(ids.shape[0], dtype=torch.bool)
+        out = ids
+        for step in range(max_new_tokens):
+            nxt = logits.to_torch()[:, -1].argmax(-1)
+            if eos:
+                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+                done |= torch.isin(nxt, torch.tensor(eos))
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            if (eos and bool(done.all())) or step == max_new_tokens - 1:
+                break
+            logits = self(nxt[:, None], cache)
+        return out
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

@@ -1,0 +1,143 @@
+"""dtorch's LlamaForCausalLM against Hugging Face transformers' on one device: the same weights
+through ``load_state_dict(hf.state_dict())``, logits within 1e-4 and greedy ``generate`` token
+for token, under DP / TP / PP meshes on 4 ranks and 3-D meshes on 8 ranks (real clusters)."""
+
+import gc
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import init_device_mesh
+from dtorch.models import LlamaForCausalLM
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = dict(vocab_size=101, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=176, num_hidden_layers=5, eos_token_id=None)
+MESHES_4 = [((4,), ("tp",)), ((2, 2), ("dp", "tp")), ((2, 2), ("pp", "tp")),
+            ((2, 2), ("dp", "pp")), ((4,), ("pp",)), ((4,), ("dp",))]
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**CONFIG)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 101, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def expected_counts(names, layers=5):
+    counts = {}
+    if "tp" in names:  # embedding + head gathers, o_proj and down_proj all_reduces
+        counts.update(all_gather=2, all_reduce=2 * layers)
+    if "pp" in names:
+        stages = dict(zip(names, MESH_SHAPES[names]))["pp"]
+        counts["send_recv"] = stages - 1
+    return counts
+
+
+MESH_SHAPES = {names: shape for shape, names in MESHES_4}
+
+
+@pytest.mark.parametrize("shape, names", MESHES_4, ids=["x".join(n) for _, n in MESHES_4])
+def test_logits_match_transformers(live, hf_model, tokens, shape, names):
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
+    assert list(model.state_dict()) == list(hf_model.state_dict())
+    model.load_state_dict(hf_model.state_dict())
+    with dtorch.CommDebugMode() as mode:
+        logits = model(tokens)
+    assert mode.get_comm_counts() == expected_counts(names)
+    assert torch.allclose(logits.to_torch(), hf_logits(hf_model, tokens), atol=1e-4)
+
+
+@pytest.mark.parametrize("shape, names", [((2, 2), ("pp", "tp")), ((4,), ("tp",))])
+def test_greedy_generate_matches_transformers(live, hf_model, tokens, shape, names):
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
+    model.load_state_dict(hf_model.state_dict())
+    got = model.generate(tokens, max_new_tokens=6)
+    want = hf_model.generate(tokens, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_eos_stops_rows_like_transformers(live, hf_model, tokens):
+    """A row that emits eos is padded afterwards; decoding ends when every row is done."""
+    want_free = hf_model.generate(tokens, max_new_tokens=6, do_sample=False)
+    eos = int(want_free[0, 13])  # the token row 0 emits second: it becomes "eos"
+    want = hf_model.generate(tokens, max_new_tokens=6, do_sample=False, eos_token_id=eos,
+                             pad_token_id=0)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
+    model.load_state_dict(hf_model.state_dict())
+    assert torch.equal(model.generate(tokens, 6, eos_token_id=eos, pad_token_id=0), want)
+
+
+def test_tied_embeddings_and_rope_scaling(live, tokens):
+    torch.manual_seed(2)
+    config = transformers.LlamaConfig(**{**CONFIG, "tie_word_embeddings": True,
+                                         "num_hidden_layers": 2,
+                                         "rope_parameters": {"rope_type": "linear",
+                                                             "factor": 2.0,
+                                                             "rope_theta": 5000.0}})
+    hf = transformers.LlamaForCausalLM(config).eval()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = LlamaForCausalLM(config, device_mesh=mesh)
+    state = dict(hf.state_dict())
+    state.pop("lm_head.weight")  # a tied checkpoint may leave the head out
+    model.load_state_dict(state)
+    assert torch.allclose(model(tokens).to_torch(), hf_logits(hf, tokens), atol=1e-4)
+
+
+def test_a_dict_config_and_dtensor_input_work(live, hf_model, tokens):
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("tp",))
+    model = LlamaForCausalLM(CONFIG, device_mesh=mesh)
+    model.load_state_dict(hf_model.state_dict())
+    ids = dtorch.distribute_tensor(tokens, mesh, [dtorch.Replicate()])
+    assert torch.allclose(model(ids).to_torch(), hf_logits(hf_model, tokens), atol=1e-4)
+
+
+def test_heads_that_do_not_split_over_tp_raise(live):
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("tp",))
+    with pytest.raises(dtorch.nn.ModuleError, match="num_key_value_heads=2 does not split"):
+        LlamaForCausalLM({**CONFIG, "num_key_value_heads": 2}, device_mesh=mesh)
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        LlamaForCausalLM({**CONFIG, "hidden_act": "gelu"}, device_mesh=mesh)
+
+
+@pytest.fixture
+def eight_ranks(live):
+    gc.collect()
+    dtorch.shutdown()
+    controller = dtorch.init(n_workers=8)
+    yield controller
+    gc.collect()
+    dtorch.shutdown()
+    dtorch.init(n_workers=4)
+
+
+MESHES_8 = [((2, 2, 2), ("dp", "tp", "pp")), ((2, 2, 2), ("pp", "tp", "dp"))]
+
+
+@pytest.mark.timeout(400)
+def test_three_d_meshes_on_eight_ranks(eight_ranks, hf_model, tokens):
+    for shape, names in MESHES_8:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
+        model.load_state_dict(hf_model.state_dict())
+        with dtorch.CommDebugMode() as mode:
+            logits = model(tokens)
+        assert mode.get_comm_counts() == {"all_gather": 2, "all_reduce": 10, "send_recv": 1}
+        assert torch.allclose(logits.to_torch(), hf_logits(hf_model, tokens), atol=1e-4)
+    assert torch.equal(model.generate(tokens, 4),
+                       hf_model.generate(tokens, max_new_tokens=4, do_sample=False))
