@@ -7,7 +7,9 @@ mesh dim:
 - query, key and value all ``Shard(d)`` on the same leading (batch or head) dim -> ``Shard(d)``;
   with grouped-query attention every rank must hold whole groups;
 - a value ``Partial(sum|avg)`` beside Replicate query/key -> that Partial (linear in value);
-- a sharded sequence or feature dim raises (context parallelism is a different op).
+- a sharded sequence or feature dim raises, except ``Shard(2)`` on a mesh dim named
+  ``ulysses_cp`` / ``ulysess_cp`` / ``ring_cp``: context parallelism, a composite op
+  (see :mod:`dtorch.ops.cp_attention`).
 
 ``attn_mask`` follows the output like a binary-op operand: sharded alike, or Replicate
 (narrowed locally), or broadcast. Dropout must be 0 (eval). Example::
@@ -23,13 +25,15 @@ import torch.nn.functional as F
 from ..layout import rank_block
 from ..placement import Replicate, Shard
 from ..runtime.messages import Coord
+from . import cp_attention
 from .binary import elementwise_placements, narrow_table, sliced_call
 from .explain import with_dim
 from .registry import Decision, TArg, rule
 
 R = Replicate()
 LEGAL = ("R, R, R -> R; S(b), S(b), S(b) -> S(b) for a batch or head dim b; R, R, P(sum|avg) "
-         "value -> P(sum|avg); the sequence and feature dims are never sharded")
+         "value -> P(sum|avg); the sequence dim S(2) only on a ulysses_cp / ring_cp dim (context "
+         "parallelism), the feature dim never")
 
 
 def _qkv_dim(op, q, k, v, m):
@@ -49,8 +53,8 @@ def _qkv_dim(op, q, k, v, m):
     if d >= q.ndim - 2:
         t = next(t for t in (q, k, v) if isinstance(t.placements[m], Shard))
         op.fail(m, LEGAL, {t: with_dim(t.placements, m, R)},
-                "the sequence or feature dim is sharded: that needs context parallelism "
-                "(ring / Ulysses), which this op does not do")
+                "the sequence or feature dim is sharded: context parallelism shards the "
+                "sequence (Shard(2)) on a mesh dim named ulysses_cp or ring_cp")
     for t in (q, k, v):
         if t.placements[m] != Shard(d):
             op.fail(m, LEGAL, {t: with_dim(t.placements, m, Shard(d))},
@@ -80,11 +84,16 @@ def _check_groups(op, q, k, out):
       arg_names=("query", "key", "value", "attn_mask"))
 def sdpa_rule(op):
     q, k, v = op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value")
+    cp = cp_attention.active(q, k, v) if type(q) is type(k) is type(v) is TArg else {}
     if op.arg(4, "dropout_p", 0.0):
-        raise NotImplementedError(f"{op.name} with dropout_p > 0 is not supported on DTensors "
-                                  f"(eval only); pass dropout_p=0.0")
+        from .dispatch import UnsupportedOpError
+        where = (f" (context parallelism on {', '.join(cp)} included)" if cp else "")
+        raise UnsupportedOpError(f"{op.name} with dropout_p > 0 is not supported on "
+                                 f"DTensors{where}: eval only; pass dropout_p=0.0")
     if q.ndim != k.ndim or q.ndim != v.ndim:
         op.fail(None, LEGAL, {}, "query, key and value must have the same number of dims")
+    if cp:
+        return cp_attention.cp_rule(op, q, k, v, op.arg(3, "attn_mask"), cp)
     out = tuple(_qkv_dim(op, q, k, v, m) for m in range(op.mesh.ndim))
     _check_groups(op, q, k, out)
     mask = op.arg(3, "attn_mask")

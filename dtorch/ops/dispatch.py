@@ -16,6 +16,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .. import comm_debug
 from ..errors import DTorchError, PlacementError
 from ..runtime import messages as m
 from ..runtime import session
@@ -196,6 +197,8 @@ def _dispatch(func, args, kwargs=None):
     if plan.args is not None:
         cargs = _fill(plan.args, tensors)
         ckwargs = _fill_kwargs(plan.kwargs, tensors)
+        if type(plan.fn) is m.CompositePlan:  # a composite op: the ledger counts its steps
+            comm_debug.record_steps(plan.fn.collectives)
     if plan.inplace is not None:
         target = tensors[plan.inplace]
         c.issue(_new_tuple(_Call, ((target._tid,), plan.fn, tuple(cargs), ckwargs, plan.ranks)))

@@ -26,6 +26,7 @@ from . import messages as m
 from .buffers import BufferPool
 from .wire import pack, unpack
 from .collectives import StepContext, is_comm_failure, run_step, send_recv
+from .composite import run_composite
 
 
 class RemoteFailure(NamedTuple):
@@ -69,6 +70,8 @@ def _label(instr) -> str:
     """How errors and liveness reports name an instruction: ``Call(torch.add)``."""
     fn = getattr(instr, "fn", None)
     name = type(instr).__name__
+    if type(fn) is m.CompositePlan:
+        return f"{name}({fn.name})"
     return f"{name}({getattr(fn, '__name__', fn)})" if fn is not None else name
 
 
@@ -122,6 +125,7 @@ class Interpreter:
         self.gen = torch.Generator().manual_seed(seed)
         self.instructions = 0
         self._poisoned_arg: Poison | None = None
+        self.composite_peak_bytes = 0  # watched bytes at the peak of the last composite op
         self._handlers = {m.SetupMesh: self._setup_mesh, m.Seed: self._seed,
                           m.Create: self._create, m.Load: self._load,
                           m.Redistribute: self._redistribute, m.Call: self._call,
@@ -253,15 +257,7 @@ class Interpreter:
                 if step.kind in COLLECTIVES and any(self.rank in g for g in step.groups):
                     self.counts[step.kind] += 1
         except Exception as exc:  # noqa: BLE001
-            failure = self._fail("redistribute", exc)
-            if is_comm_failure(exc):
-                self.broken = failure.failure._replace(
-                    message=failure.failure.message + " - a collective failed between ranks, so "
-                    "they may be out of step; call dtorch.restart()")
-                if self.errors and self.errors[-1] is failure.failure:
-                    self.errors[-1] = self.broken  # synchronize() says so too
-                failure = Poison(self.broken)
-            poison = poison or failure
+            poison = poison or self._collective_failure("redistribute", exc)
         if value is not None or poison is not None:
             self.store[instr.out] = poison if poison is not None else value
 
@@ -282,6 +278,8 @@ class Interpreter:
     def _call(self, instr: m.Call):
         if self.rank not in instr.ranks:
             return
+        if type(instr.fn) is m.CompositePlan:
+            return self._composite(instr)
         try:
             self._poisoned_arg = None
             args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
@@ -294,6 +292,35 @@ class Interpreter:
             outs = [self._fail(getattr(instr.fn, "__name__", str(instr.fn)), exc)] * len(instr.outs)
         for tid, value in zip(instr.outs, outs):
             self.store[tid] = value
+
+    def _composite(self, instr: m.Call):
+        """A composite op (``instr.fn`` is its plan): run it even on poisoned inputs, so
+        that this rank takes part in every collective of the plan (see runtime/composite)."""
+        if self.broken is not None:  # never start a collective the peers may not be in
+            outs = [Poison(self.broken)] * len(instr.outs)
+        else:
+            inputs = [self.store.get(r.tid) for r in instr.args]
+            inputs = [v if v is not None else self._fail(instr.fn.name, KeyError(
+                f"tensor {r.tid} not found")) for v, r in zip(inputs, instr.args)]
+            try:
+                outs = run_composite(self, instr.fn, inputs)
+            except Exception as exc:  # noqa: BLE001 - a collective failed between ranks
+                outs = [self._collective_failure(instr.fn.name, exc)] * len(instr.outs)
+        for tid, value in zip(instr.outs, outs):
+            self.store[tid] = value
+
+    def _collective_failure(self, op: str, exc: BaseException) -> Poison:
+        """Poison for an exception in a collective; a timeout or a lost peer also marks this
+        rank broken (the ranks may be out of step: ``dtorch.restart()`` is needed)."""
+        failure = self._fail(op, exc)
+        if not is_comm_failure(exc):
+            return failure
+        self.broken = failure.failure._replace(
+            message=failure.failure.message + " - a collective failed between ranks, so "
+            "they may be out of step; call dtorch.restart()")
+        if self.errors and self.errors[-1] is failure.failure:
+            self.errors[-1] = self.broken  # synchronize() says so too
+        return Poison(self.broken)
 
     def _fetch(self, instr: m.Fetch):
         if self.rank not in instr.ranks:
@@ -366,4 +393,5 @@ class Interpreter:
         return {"rank": self.rank, "tensors": len(self.store),
                 "bytes": sum(t.numel() * t.element_size() for t in tensors),
                 "counts": dict(self.counts), "instructions": self.instructions,
-                "pool_bytes": self.pool.held, "pool_reused": self.pool.reused}
+                "pool_bytes": self.pool.held, "pool_reused": self.pool.reused,
+                "composite_peak_bytes": self.composite_peak_bytes}

@@ -123,3 +123,94 @@ class Unflatten(NamedTuple):
     src: int
     outs: tuple[int, ...]
     ranks: tuple[int, ...]
+
+
+# composite ops: a small plan of local calls and collective steps (see dtorch.ops.composite) --
+class Slot(NamedTuple):
+    """A placeholder in a composite's step arguments for the temporary in slot ``index``."""
+
+    index: int
+
+
+class PerRank(NamedTuple):
+    """A placeholder for a per-rank constant: ``table[rank]`` (``table`` is a tuple of
+    ``(rank, value)`` pairs, so the plan stays hashable)."""
+
+    table: tuple
+
+
+class Local(NamedTuple):
+    """Run ``fn(*args, **kwargs)`` on this rank (``Slot``/``PerRank``/``Coord`` resolved);
+    its tensors go to the slots ``outs``."""
+
+    fn: Any
+    args: tuple
+    kwargs: dict
+    outs: tuple[int, ...]
+
+
+class Exchange(NamedTuple):
+    """all_to_all along mesh dim ``mesh_dim``: split slot ``src`` along ``split_dim``, send
+    piece j to the group member at coordinate j, concatenate what arrives along ``cat_dim``
+    (in coordinate order) into slot ``out``. ``table`` maps each rank to ``(in_shape,
+    send_sizes, recv_shapes, pad_shape)``: what it sends, what it receives and the padded
+    piece every member of its group uses."""
+
+    src: int
+    out: int
+    split_dim: int
+    cat_dim: int
+    table: tuple
+    mesh_dim: int
+    mesh_dim_name: str | None
+    groups: tuple
+    bytes_per_rank: int
+    kind: str = "all_to_all"
+
+
+class Shift(NamedTuple):
+    """send_recv along mesh dim ``mesh_dim``: each rank sends slots ``srcs`` to its next
+    coordinate and receives ``outs`` from its previous one (posted now, finished by
+    ``Wait``). ``table`` maps each rank to ``(send_to, recv_from, send_shapes,
+    recv_shapes)``; a one-byte poison flag travels with the data."""
+
+    srcs: tuple[int, ...]
+    outs: tuple[int, ...]
+    table: tuple
+    mesh_dim: int
+    mesh_dim_name: str | None
+    groups: tuple
+    bytes_per_rank: int
+    kind: str = "send_recv"
+
+
+class Wait(NamedTuple):
+    """Finish the ``Shift`` that writes slots ``outs`` (compute in between overlaps it)."""
+
+    outs: tuple[int, ...]
+
+
+class Drop(NamedTuple):
+    """Forget the temporaries in ``slots`` (memory comes back as soon as possible)."""
+
+    slots: tuple[int, ...]
+
+
+class CompositePlan(NamedTuple):
+    """A composite op, planned on the controller and interpreted by every rank in ``ranks``
+    of a ``Call`` whose ``fn`` is this plan: inputs go to slots ``0..n_inputs-1``, ``steps``
+    run in order, slots ``outputs`` are stored as the call's outputs. ``dtype`` is what the
+    collectives carry (a poisoned rank sends zeros of it); ``watch`` names slots whose peak
+    bytes the rank reports (``rank_stats()["composite_peak_bytes"]``)."""
+
+    name: str
+    n_inputs: int
+    steps: tuple
+    outputs: tuple[int, ...]
+    dtype: Any
+    watch: tuple[int, ...] = ()
+
+    @property
+    def collectives(self) -> tuple:
+        """The collective steps, in order (what both ledgers count)."""
+        return tuple(s for s in self.steps if type(s) in (Exchange, Shift))

@@ -1,0 +1,297 @@
+"""Context-parallel ``F.scaled_dot_product_attention``: Ulysses and ring, as composite ops.
+
+Q/K/V ``[N, H, L, E]`` sharded ``Shard(2)`` (the sequence) on a mesh dim named
+``ulysses_cp`` (or the seed's ``ulysess_cp``) or ``ring_cp`` switch the op to a composite plan
+(planned here, purely; run by ``dtorch.runtime.composite``):
+
+- Ulysses: all_to_all Q, K, V from sequence-sharded to head-sharded, local attention on the
+  whole sequence, all_to_all the output back (4 all_to_all);
+- ring: each rank keeps its Q rows; K/V blocks travel the ring with ``cp - 1`` shifts
+  (``send_recv``, overlapped with the compute on the block in hand), merged by log-sum-exp
+  (online softmax); a rank holds its current block and the one in flight, never the whole
+  K/V; under ``is_causal`` a block whose keys all come after the rank's queries is skipped;
+- both on one mesh (any order): Ulysses first, then the ring on the head-sharded blocks.
+
+Other mesh dims follow the plain rule (``dp`` Shard(0), ``tp`` Shard(1) heads, Replicate).
+The output's placements are Q's. Example::
+
+    >>> from dtorch import init_device_mesh
+    >>> cp_dims(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ring_cp")))
+    {'ring_cp': 1}
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..layout import chunk_sizes, rank_block
+from ..placement import Replicate, Shard
+from ..runtime.messages import Slot
+from .composite import PlanBuilder, per_rank
+from .explain import with_dim
+from .registry import Decision, TArg
+
+R = Replicate()
+SEQ, HEADS = 2, 1
+ULYSSES_NAMES = ("ulysses_cp", "ulysess_cp")
+RING_NAMES = ("ring_cp",)
+LEGAL = ("on a ulysses_cp / ring_cp mesh dim: S(2), S(2), S(2) -> S(2) (the sequence of "
+         "[N, H, L, E]); other mesh dims: R or S(0) / S(1) on query, key and value alike; "
+         "attn_mask Replicate on every mesh dim; dropout_p=0")
+
+
+def cp_dims(mesh) -> dict[str, int]:
+    """``{"ulysses_cp" | "ring_cp": mesh dim}`` for the CP-named dims of ``mesh``."""
+    out = {}
+    for i, name in enumerate(mesh.mesh_dim_names or ()):
+        kind = ("ulysses_cp" if name in ULYSSES_NAMES else
+                "ring_cp" if name in RING_NAMES else None)
+        if kind is not None:
+            out[kind + "2" if kind in out else kind] = i  # a second one: the rule refuses it
+    return out
+
+
+def active(q, k, v) -> dict[str, int]:
+    """The CP dims on which query, key or value shards the sequence (CP is on), else {}."""
+    if q.ndim < 3:
+        return {}
+    dims = cp_dims(q.mesh)
+    return {kind: m for kind, m in dims.items()
+            if any(t.placements[m] == Shard(t.ndim - 2) for t in (q, k, v))}
+
+
+# the rule ----------------------------------------------------------------------------------------
+def cp_rule(op, q, k, v, mask, dims: dict[str, int]) -> Decision:
+    """Check placements and plan the composite (see the module doc)."""
+    from . import attention
+    if q.ndim != 4:
+        op.fail(None, LEGAL, {}, "context parallelism needs 4-D [N, H, L, E] query, key "
+                "and value")
+    for kind in dims:
+        if kind.endswith("2"):
+            op.fail(dims[kind], LEGAL, {}, f"the mesh has two {kind[:-1]} dims; use one")
+    for mdim in range(q.mesh.ndim):
+        if mdim in dims.values():
+            for t in (q, k, v):
+                if t.placements[mdim] != Shard(SEQ):
+                    op.fail(mdim, LEGAL, {t: with_dim(t.placements, mdim, Shard(SEQ))},
+                            "context parallelism needs query, key and value all Shard(2) "
+                            "on this dim")
+        elif attention._qkv_dim(op, q, k, v, mdim).is_partial():
+            op.fail(mdim, LEGAL, {v: with_dim(v.placements, mdim, R)},
+                    "a Partial value is not supported with context parallelism")
+    attention._check_groups(op, q, k, q.placements)
+    if type(mask) is TArg and any(not p.is_replicate() for p in mask.placements):
+        op.fail(next(i for i, p in enumerate(mask.placements) if not p.is_replicate()), LEGAL,
+                {mask: (R,) * q.mesh.ndim}, "with context parallelism attn_mask must be "
+                "Replicate on every mesh dim (each rank cuts its rows and columns)")
+    plan = _plan(q, k, v, type(mask) is TArg, bool(op.arg(5, "is_causal", False)),
+                 op.arg(6, "scale", None), dims.get("ulysses_cp"), dims.get("ring_cp"))
+    args = (q, k, v) + ((mask,) if type(mask) is TArg else ())
+    return Decision((q.placements,), plan, args, {})
+
+
+# planning ----------------------------------------------------------------------------------------
+class _Local:
+    """What every rank holds of one tensor while the plan is built: its slot, local shape,
+    sequence ranges ``((start, length), ...)`` and head block ``(offset, length)``."""
+
+    def __init__(self, slot, shapes, seq, heads):
+        self.slot, self.shapes, self.seq, self.heads = slot, shapes, seq, heads
+
+
+def _start(t, slot) -> _Local:
+    mesh = t.mesh
+    blocks = {r: rank_block(t.shape, mesh, t.placements, mesh.get_coordinate(r))
+              for r in mesh.ranks}
+    return _Local(slot, {r: b.shape for r, b in blocks.items()},
+                  {r: ((b.offset[SEQ], b.shape[SEQ]),) for r, b in blocks.items()},
+                  {r: (b.offset[HEADS], b.shape[HEADS]) for r, b in blocks.items()})
+
+
+def _peers(mesh, rank, mdim) -> tuple[int, ...]:
+    return next(g for g in mesh.groups(mdim) if rank in g)
+
+
+def _ulysses_in(b: PlanBuilder, mesh, u, x: _Local) -> _Local:
+    """all_to_all from sequence-sharded to head-sharded along mesh dim ``u``."""
+    n = mesh.shape[u]
+    slot = b.exchange(mesh, u, x.slot, x.shapes, HEADS, SEQ)
+    shapes, seq, heads = {}, {}, {}
+    for r in mesh.ranks:
+        peers, j = _peers(mesh, r, u), mesh.get_coordinate(r)[u]
+        chunks = chunk_sizes(x.shapes[r][HEADS], n)
+        shapes[r] = (x.shapes[r][0], chunks[j], sum(x.shapes[p][SEQ] for p in peers),
+                     x.shapes[r][3])
+        seq[r] = tuple(rng for p in peers for rng in x.seq[p])
+        heads[r] = (x.heads[r][0] + sum(chunks[:j]), chunks[j])
+    return _Local(slot, shapes, seq, heads)
+
+
+def _ulysses_out(b: PlanBuilder, mesh, u, out: _Local, q0: _Local) -> int:
+    """all_to_all the output back: split the sequence into the pieces Q came in."""
+    sizes = {r: tuple(q0.shapes[p][SEQ] for p in _peers(mesh, r, u)) for r in mesh.ranks}
+    return b.exchange(mesh, u, out.slot, out.shapes, SEQ, HEADS, sizes)
+
+
+def _gqa_aligned(mesh, u, q: _Local, k: _Local, g: int) -> bool:
+    """Whether splitting local heads into ``mesh.shape[u]`` chunks keeps every rank's query
+    heads over its own kv heads (else K/V are expanded to the query heads first)."""
+    n = mesh.shape[u]
+    for r in mesh.ranks:
+        j = mesh.get_coordinate(r)[u]
+        qc, kc = chunk_sizes(q.shapes[r][HEADS], n), chunk_sizes(k.shapes[r][HEADS], n)
+        if (q.heads[r][0] + sum(qc[:j]), qc[j]) != (g * (k.heads[r][0] + sum(kc[:j])),
+                                                    g * kc[j]):
+            return False
+    return True
+
+
+def _expand(b: PlanBuilder, x: _Local, q: _Local, g: int) -> _Local:
+    slot, = b.local(repeat_heads, Slot(x.slot), g)
+    shapes = {r: (s[0], q.shapes[r][HEADS], s[2], s[3]) for r, s in x.shapes.items()}
+    return _Local(slot, shapes, x.seq, q.heads)
+
+
+def _plan(q, k, v, has_mask, causal, scale, u, ring):
+    mesh = q.mesh
+    b = PlanBuilder("scaled_dot_product_attention (context parallel)", 3 + has_mask, q.dtype)
+    lq, lk, lv = _start(q, 0), _start(k, 1), _start(v, 2)
+    q0 = lq
+    batch = {r: (rank_block(q.shape, mesh, q.placements, mesh.get_coordinate(r)).offset[0],
+                 lq.shapes[r][0]) for r in mesh.ranks}
+    mask = Slot(3) if has_mask else None
+    ulysses = u is not None and mesh.shape[u] > 1
+    if ulysses:
+        g = q.shape[HEADS] // k.shape[HEADS]
+        if g > 1 and not _gqa_aligned(mesh, u, lq, lk, g):
+            lk, lv = _expand(b, lk, lq, g), _expand(b, lv, lq, g)
+        lq, lk, lv = (_ulysses_in(b, mesh, u, x) for x in (lq, lk, lv))
+        b.drop(0, 1, 2)
+    if ring is not None and mesh.shape[ring] > 1:
+        out, watch = _ring(b, mesh, ring, lq, lk, lv, mask, batch, causal, scale, q.dtype)
+    else:
+        slot, = b.local(local_attention, Slot(lq.slot), Slot(lk.slot), Slot(lv.slot), mask,
+                        per_rank({r: (batch[r], lq.heads[r]) for r in mesh.ranks}), causal,
+                        scale)
+        out, watch = slot, ()
+    if ulysses:
+        shapes = {r: lq.shapes[r][:3] + (v.shape[3],) for r in mesh.ranks}
+        out = _ulysses_out(b, mesh, u, _Local(out, shapes, lq.seq, lq.heads), q0)
+    return b.build((out,), watch)
+
+
+def _ring(b: PlanBuilder, mesh, rd, q: _Local, k: _Local, v: _Local, mask, batch, causal,
+          scale, q_dtype):
+    """K/V around the ring: ``n - 1`` shifts, each posted before the compute on the block in
+    hand and finished after it. Returns ``(output slot, the K/V slots watched)``."""
+    n = mesh.shape[rd]
+    acc = b.local(ring_init, Slot(q.slot), Slot(v.slot), outs=3)
+    cur, watch = (k.slot, v.slot), [k.slot, v.slot]
+    blocks = per_rank({r: (batch[r], q.heads[r]) for r in mesh.ranks})
+    qpos = per_rank(q.seq)
+    for t in range(n):
+        src = {r: _peers(mesh, r, rd)[(mesh.get_coordinate(r)[rd] - t) % n]
+               for r in mesh.ranks}  # whose K/V block each rank holds at step t
+        nxt = None
+        if t < n - 1:
+            nxt = b.shift(mesh, rd, cur, [{r: k.shapes[src[r]] for r in mesh.ranks},
+                                          {r: v.shapes[src[r]] for r in mesh.ranks}])
+            watch += nxt
+        b.local(ring_step, Slot(q.slot), Slot(cur[0]), Slot(cur[1]), *map(Slot, acc), qpos,
+                per_rank({r: k.seq[src[r]] for r in mesh.ranks}), mask, blocks, causal,
+                scale, outs=acc)
+        if nxt is not None:
+            b.wait(nxt)
+        b.drop(*cur)
+        cur = nxt
+    out, = b.local(ring_finish, *map(Slot, acc), dtype=q_dtype)
+    b.drop(*acc)
+    return out, watch
+
+
+# the kernels the ranks run (module level: they travel by name) ----------------------------------
+def repeat_heads(x, g: int):
+    """K/V heads repeated for grouped-query attention (what ``enable_gqa`` means)."""
+    return x.repeat_interleave(g, dim=HEADS)
+
+
+def _positions(ranges, device) -> torch.Tensor:
+    return torch.cat([torch.arange(s, s + n, device=device) for s, n in ranges] or
+                     [torch.zeros(0, dtype=torch.long, device=device)])
+
+
+def _mask_block(mask, block, qpos=None, kpos=None):
+    """This rank's part of a Replicate ``attn_mask`` (broadcast dims stay size 1)."""
+    (n0, nn), (h0, hn) = block
+    m = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    if m.shape[0] > 1:
+        m = m.narrow(0, n0, nn)
+    if m.shape[1] > 1:
+        m = m.narrow(1, h0, hn)
+    if qpos is not None and m.shape[2] > 1:
+        m = m.index_select(2, qpos)
+    if kpos is not None and m.shape[3] > 1:
+        m = m.index_select(3, kpos)
+    return m
+
+
+def local_attention(q, k, v, mask, block, causal, scale):
+    """Ulysses' middle: plain attention over the whole sequence on this rank's heads."""
+    if q.shape[HEADS] == 0:
+        return q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],))
+    m = _mask_block(mask, block) if mask is not None else None
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=scale,
+                                          enable_gqa=k.shape[HEADS] != q.shape[HEADS])
+
+
+def _acc_dtype(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def ring_init(q, v):
+    """Empty accumulators: weighted values, running max, running denominator."""
+    n, h, lq = q.shape[:3]
+    dt = _acc_dtype(q.dtype)
+    return (torch.zeros((n, h, lq, v.shape[-1]), dtype=dt, device=q.device),
+            torch.full((n, h, lq, 1), -math.inf, dtype=dt, device=q.device),
+            torch.zeros((n, h, lq, 1), dtype=dt, device=q.device))
+
+
+def ring_step(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, causal, scale):
+    """Merge one K/V block into the accumulators (online softmax); a block entirely in the
+    future of this rank's queries under ``causal`` is skipped without computing."""
+    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[HEADS] == 0:
+        return acc, mx, den
+    last_q = max(s + n - 1 for s, n in q_ranges if n)
+    if causal and min(s for s, n in k_ranges if n) > last_q:
+        return acc, mx, den
+    dt = acc.dtype
+    n, hq, lq, e = q.shape
+    hk = k.shape[HEADS]
+    g = hq // hk
+    qg = q.to(dt).reshape(n, hk, g, lq, e)
+    s = (qg @ k.to(dt).unsqueeze(2).transpose(-1, -2)).reshape(n, hq, lq, k.shape[2])
+    s = s * (scale if scale is not None else 1 / math.sqrt(e))
+    qpos, kpos = _positions(q_ranges, q.device), _positions(k_ranges, q.device)
+    if causal:
+        s = s.masked_fill(kpos[None, :] > qpos[:, None], -math.inf)
+    if mask is not None:
+        m = _mask_block(mask, block, qpos, kpos)
+        s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.to(dt)
+    new_mx = torch.maximum(mx, s.amax(-1, keepdim=True))
+    safe = torch.where(torch.isinf(new_mx) & (new_mx < 0), torch.zeros_like(new_mx), new_mx)
+    p = torch.exp(s - safe)
+    corr = torch.exp(mx - safe)
+    pv = (p.reshape(n, hk, g, lq, -1) @ v.to(dt).unsqueeze(2)).reshape(n, hq, lq, -1)
+    return acc * corr + pv, new_mx, den * corr + p.sum(-1, keepdim=True)
+
+
+def ring_finish(acc, mx, den, dtype):
+    """Normalize; rows with no allowed key are 0 (as torch gives for fully masked rows)."""
+    out = torch.where(den > 0, acc / den.clamp_min(torch.finfo(den.dtype).tiny),
+                      torch.zeros_like(acc))
+    return out.to(dtype)
