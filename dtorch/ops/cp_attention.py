@@ -88,7 +88,7 @@ def cp_rule(op, q, k, v, mask, dims: dict[str, int]) -> Decision:
         op.fail(next(i for i, p in enumerate(mask.placements) if not p.is_replicate()), LEGAL,
                 {mask: (R,) * q.mesh.ndim}, "with context parallelism attn_mask must be "
                 "Replicate on every mesh dim (each rank cuts its rows and columns)")
-    plan = _plan(q, k, v, type(mask) is TArg, bool(op.arg(5, "is_causal", False)),
+    plan = plan_cp_attention(q, k, v, type(mask) is TArg, bool(op.arg(5, "is_causal", False)),
                  op.arg(6, "scale", None), dims.get("ulysses_cp"), dims.get("ring_cp"))
     args = (q, k, v) + ((mask,) if type(mask) is TArg else ())
     return Decision((q.placements,), plan, args, {})
@@ -156,7 +156,11 @@ def _expand(b: PlanBuilder, x: _Local, q: _Local, g: int) -> _Local:
     return _Local(slot, shapes, x.seq, q.heads)
 
 
-def _plan(q, k, v, has_mask, causal, scale, u, ring):
+def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | None,
+                      ring: int | None):
+    """The composite plan for query/key/value specs (anything with shape, dtype, mesh and
+    placements) with Ulysses on mesh dim ``u`` and the ring on mesh dim ``ring`` (either may
+    be None). Inputs are slots 0-2 (3: the mask)."""
     mesh = q.mesh
     b = PlanBuilder("scaled_dot_product_attention (context parallel)", 3 + has_mask, q.dtype)
     lq, lk, lv = _start(q, 0), _start(k, 1), _start(v, 2)
