@@ -256,3 +256,17 @@ def test_index_and_size_values_given_as_tensors(mesh1d):
     illegal(lambda: s0.repeat_interleave(reps, dim=0), match="repeats along dim 0")
     with pytest.raises(TypeError, match="integer tensor"):
         torch.tensor_split(r, torch.tensor([1.0, 2.0]))
+
+
+def test_positions_given_as_0_dim_tensors_and_padding_empty_shards(mesh1d):
+    x = torch.arange(30.).reshape(3, 10)  # Shard(0) on 4 ranks: rows 1, 1, 1, 0
+    start = dt(torch.tensor(2), mesh1d, [R])
+    s0 = dt(x, mesh1d, [Shard(0)])
+    batch = Batch()
+    batch.add(s0.narrow(1, start, 3), x.narrow(1, 2, 3), [Shard(0)])
+    batch.add(torch.narrow(s0, 1, torch.tensor(4), 2), x.narrow(1, 4, 2), [Shard(0)])
+    batch.add(s0.select(1, start), x.select(1, 2), [Shard(0)])
+    for mode in ("reflect", "replicate", "circular"):
+        batch.add(no_comm(lambda: torch.nn.functional.pad(s0, (2, 1), mode=mode)),
+                  torch.nn.functional.pad(x, (2, 1), mode=mode), [Shard(0)])
+    batch.check()

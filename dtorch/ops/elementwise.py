@@ -78,7 +78,8 @@ def dropout_rule(op):
     """Eval mode only: the identity (placements kept, Partial included)."""
     training = op.arg(2, "training", op.entry.name.startswith("F."))
     if training and op.arg(1, "p", 0.5) > 0:
-        raise NotImplementedError(
+        from .dispatch import UnsupportedOpError
+        raise UnsupportedOpError(
             f"{op.name} in training mode is not supported on DTensors yet (its random mask "
             f"would differ from single-device torch); call it with training=False (eval)")
     return broadcast_rule(op, operands_of(op, ("input",)), "identity",

@@ -136,8 +136,22 @@ def _tensor_split_prep(args, kwargs):
     return args, kwargs
 
 
+def _positions_prep(*where):
+    """A prep turning the 0-dim tensors (plain or DTensor) at ``where`` (``(position,
+    keyword)`` pairs) into ints: ``x.narrow(0, start_t, 2)``, ``x.select(0, i_t)``."""
+    def prep(args, kwargs):
+        args = list(args)
+        for pos, name in where:
+            if pos < len(args) and _is_tensor(args[pos]) and args[pos].ndim == 0:
+                args[pos] = index_values(args[pos], f"{name}")
+            elif name in kwargs and _is_tensor(kwargs[name]) and kwargs[name].ndim == 0:
+                kwargs[name] = index_values(kwargs[name], name)
+        return tuple(args), kwargs
+    return prep
+
+
 @rule("transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis", "unsqueeze",
-      "narrow", "select", "split", "chunk", "unbind", "hsplit", "vsplit",
+      "split", "chunk", "unbind", "hsplit", "vsplit",
       "split_with_sizes", "diagonal", "adjoint", family="shape", arg_names=("input",))
 def view_rule(op):
     x = op.tensors[0]
@@ -150,6 +164,9 @@ def view_rule(op):
 
 
 rule("tensor_split", family="shape", arg_names=("input",), prep=_tensor_split_prep)(view_rule)
+rule("narrow", family="shape", arg_names=("input",),
+     prep=_positions_prep((2, "start"), (3, "length")))(view_rule)
+rule("select", family="shape", arg_names=("input",), prep=_positions_prep((2, "index")))(view_rule)
 
 
 
@@ -401,7 +418,26 @@ def pad_rule(op):
             if p.is_partial("sum"):
                 op.fail(m, "a nonzero pad value cannot go into Partial('sum')",
                         {x: with_dim(x.placements, m, R)}, "padding with a nonzero value")
+    if op.arg(2, "mode", "constant") != "constant" and _some_block_empty(x):
+        return Decision((placements,), pad_or_empty, None, None)
     return placements
+
+
+def _some_block_empty(x) -> bool:
+    mesh = x.mesh
+    return any(0 in rank_block(x.shape, mesh, x.placements, mesh.get_coordinate(r)).shape
+               for r in mesh.ranks)
+
+
+def pad_or_empty(input, pad, mode="constant", value=None):
+    """Local kernel: ``F.pad``, except that an empty shard (uneven sharding) gives its empty
+    padded block (reflect/replicate/circular refuse empty inputs)."""
+    if input.numel():
+        return torch.nn.functional.pad(input, pad, mode, value)
+    shape = list(input.shape)
+    for i in range(len(pad) // 2):
+        shape[-1 - i] += pad[2 * i] + pad[2 * i + 1]
+    return input.new_zeros(shape)
 
 
 @rule("view_as_real", "view_as_complex", family="shape", arg_names=("input",))
