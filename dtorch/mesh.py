@@ -47,6 +47,13 @@ def _to_nested_list(mesh):
     return tolist() if tolist is not None else mesh
 
 
+class RankTuple(tuple):
+    """A mesh's ranks: a plain tuple of ints, of its own type so batches can send it once per
+    rank instead of once per instruction (``dtorch.runtime.intern``)."""
+
+    __slots__ = ()
+
+
 class DeviceMesh:
     """A grid of ranks: ``DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["dp", "tp"])``.
 
@@ -63,7 +70,7 @@ class DeviceMesh:
         if not isinstance(mesh, (list, tuple)):
             mesh = [mesh]
         shape = _nested_shape(mesh)
-        ranks = tuple(_flatten(mesh))
+        ranks = RankTuple(_flatten(mesh))
         for r in ranks:
             if isinstance(r, bool) or not isinstance(r, int) or r < 0:
                 raise MeshError(f"mesh entries must be non-negative int ranks; got {r!r} in {mesh!r}")

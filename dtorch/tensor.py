@@ -13,6 +13,7 @@ until asked for. Example::
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from . import comm_debug, layout
 from .errors import DTorchError, FreedTensorError, PlacementValueError
 from .future import TensorFuture
-from .mesh import DeviceMesh
+from .mesh import DeviceMesh, RankTuple
 from .placement import Partial, Placement, Replicate, Shard, format_placements
 from .redistribute import plan_redistribute
 from .runtime import messages as m
@@ -75,7 +76,7 @@ class DTensor:
     def __del__(self):
         c = getattr(self, "_controller", None)
         if c is not None and not c.closed and self._tid is not None:
-            c.release(self._tid)
+            c.release(self._tid, self._spec.mesh.ranks)
 
     # metadata --------------------------------------------------------------------------------
     @property
@@ -225,7 +226,7 @@ class DTensor:
             return self
         c.ensure_mesh(mesh)
         out = c.new_tid()
-        ranks = tuple(sorted(set(spec.mesh.ranks) | set(mesh.ranks)))
+        ranks = _union_ranks(spec.mesh, mesh)
         if steps:
             c.issue(m.Redistribute(out, self._tid, spec.shape, spec.dtype, spec.mesh,
                                    mesh if mesh != spec.mesh else None, steps, ranks))
@@ -317,6 +318,12 @@ class DTensor:
 
 def _identity(x):
     return x
+
+
+@lru_cache(maxsize=1024)
+def _union_ranks(a: DeviceMesh, b: DeviceMesh) -> RankTuple:
+    """The ranks of both meshes, sorted (one cached object per pair: batches intern it)."""
+    return a.ranks if a == b else RankTuple(sorted(set(a.ranks) | set(b.ranks)))
 
 
 def _dispatch(func, types, args, kwargs=None):

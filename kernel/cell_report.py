@@ -37,7 +37,7 @@ def _running():
 
 def _shipped(controller):
     """How many batches ``controller`` has shipped (None when it does not say)."""
-    return getattr(controller, "_seq", None) if controller is not None else None
+    return getattr(controller, "flushes", None) if controller is not None else None
 
 
 class CellReport:

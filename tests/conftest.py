@@ -23,6 +23,22 @@ def live(cluster):
 
 
 @pytest.fixture
+def other_cluster(live):
+    """``start(**init_kwargs)`` replaces the session cluster (8 ranks, a dry run, ...); the
+    4-rank one is back after the test."""
+    import gc
+
+    def start(**kwargs):
+        gc.collect()  # handles of earlier tests must not keep the old cluster "in use"
+        dtorch.shutdown()
+        return dtorch.init(**kwargs)
+    yield start
+    gc.collect()
+    dtorch.shutdown()
+    dtorch.init(n_workers=4)
+
+
+@pytest.fixture
 def mesh1d(live):
     return init_device_mesh("cpu", 4)
 

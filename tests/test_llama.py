@@ -2,8 +2,6 @@
 through ``load_state_dict(hf.state_dict())``, logits within 1e-4 and greedy ``generate`` token
 for token, under DP / TP / PP meshes on 4 ranks and 3-D meshes on 8 ranks (real clusters)."""
 
-import gc
-
 import pytest
 import torch
 
@@ -115,22 +113,12 @@ def test_heads_that_do_not_split_over_tp_raise(live):
         LlamaForCausalLM({**CONFIG, "hidden_act": "gelu"}, device_mesh=mesh)
 
 
-@pytest.fixture
-def eight_ranks(live):
-    gc.collect()
-    dtorch.shutdown()
-    controller = dtorch.init(n_workers=8)
-    yield controller
-    gc.collect()
-    dtorch.shutdown()
-    dtorch.init(n_workers=4)
-
-
 MESHES_8 = [((2, 2, 2), ("dp", "tp", "pp")), ((2, 2, 2), ("pp", "tp", "dp"))]
 
 
 @pytest.mark.timeout(400)
-def test_three_d_meshes_on_eight_ranks(eight_ranks, hf_model, tokens):
+def test_three_d_meshes_on_eight_ranks(other_cluster, hf_model, tokens):
+    other_cluster(n_workers=8)
     for shape, names in MESHES_8:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)

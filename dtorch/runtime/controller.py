@@ -1,9 +1,9 @@
 """The controller: turns DTensor calls into an ordered, batched instruction stream.
 
 Nothing here waits for workers unless a value is asked for. Instructions are appended to a
-pending list and shipped as one pickled batch (the same bytes to every rank, plus each rank's
-own staged shards) when a value is requested, when the list reaches ``max_pending``, at the end
-of a notebook cell, or on ``synchronize()``. Example::
+pending list and shipped when a value is requested, when the list reaches ``max_pending``, at
+the end of a notebook cell, or on ``synchronize()``: each rank gets one batch holding only the
+instructions it runs (``batches.py``), plus its own staged shards. Example::
 
     c = Controller(client, cluster, ranks, "cpu")
     tid = c.new_tid()
@@ -23,14 +23,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import ClusterError, InterpreterStuckError, RemoteError, WorkerLostError
 from . import messages as m
+from .batches import rank_batches
+from .intern import InternTable
 from .interrupts import interrupts_held
 from .wire import pack
 
 _generations = itertools.count(1)
 
-# instructions that neither compute nor communicate: a batch of only these may run on the
-# worker's event loop when its interpreter is idle (no thread hop: reads answer sooner)
-_QUICK = (m.Fetch, m.Sync, m.Free)
 
 
 def remote_error(failure, context: str = "") -> RemoteError:
@@ -63,31 +62,6 @@ async def _answers_of(futures: dict) -> dict:
     return out
 
 
-def _raise_unsendable(message: str):
-    raise TypeError(message)
-
-
-def _pickled(instructions: list) -> bytes:
-    """The batch as bytes; an instruction pickle cannot send becomes one that fails on the
-    ranks with the reason (its outputs poisoned), so the rest of the batch still goes."""
-    try:
-        return pickle.dumps(instructions, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - find the culprits below
-        pass
-    out = []
-    for instr in instructions:
-        try:
-            pickle.dumps(instr, protocol=pickle.HIGHEST_PROTOCOL)
-            out.append(instr)
-        except Exception as exc:  # noqa: BLE001
-            outs = getattr(instr, "outs", None) or (getattr(instr, "out", None),)
-            out.append(m.Call(tuple(t for t in outs if t is not None), _raise_unsendable,
-                              (f"{type(instr).__name__} could not be sent to the ranks: "
-                               f"{type(exc).__name__}: {exc}",), {},
-                              getattr(instr, "ranks", ())))
-    return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
-
-
 class Controller:
     """Owns the cluster connection, the instruction stream and the ids of remote tensors."""
 
@@ -104,8 +78,11 @@ class Controller:
         self.closed = False
         self._pending: list = []
         self._staged: dict[int, dict] = {}
-        self._freed: deque[int] = deque()  # appended from __del__, drained by flush
-        self._seq = 0
+        self._freed: deque[tuple] = deque()  # (tid, ranks) from __del__, drained by flush
+        self._seqs = [0] * self.world  # each rank's own batch sequence
+        self.flushes = 0  # flushes that shipped something (the kernel's per-cell check)
+        self._interned = InternTable()
+        self._known: list[set] = [set() for _ in range(self.world)]  # ids each rank can resolve
         self._tids = itertools.count(1)
         self._reqs = itertools.count(1)
         self._groups_made: set[tuple[int, ...]] = set()
@@ -125,24 +102,26 @@ class Controller:
         with self._lock:  # ops may be issued from a TensorFuture callback thread too
             self._check_open()
             if self._freed:
-                self._pending.append(self._drain_freed())
+                self._pending.extend(self._drain_freed())
             self._pending.append(instr)
             if len(self._pending) >= self.max_pending:
                 self.flush()
 
-    def _drain_freed(self) -> m.Free:
-        freed = []
+    def _drain_freed(self) -> list:
+        """One Free per holder set, for the ranks that hold the tensors (in drop order)."""
+        by_ranks: dict = {}
         while self._freed:
-            freed.append(self._freed.popleft())
-        return m.Free(tuple(freed))
+            tid, ranks = self._freed.popleft()
+            by_ranks.setdefault(ranks, []).append(tid)
+        return [m.Free(tuple(tids), ranks) for ranks, tids in by_ranks.items()]
 
     def stage(self, rank: int, tid: int, tensor) -> None:
         """Attach a shard for ``rank`` to the next batch (read by a ``Load``)."""
         self._staged.setdefault(rank, {})[tid] = pack(tensor)
 
-    def release(self, tid: int) -> None:
+    def release(self, tid: int, ranks=None) -> None:
         """Free a tensor's shards with the next batch (safe from ``__del__``)."""
-        self._freed.append(tid)
+        self._freed.append((tid, ranks))
         self.live_tensors -= 1
 
     def ensure_mesh(self, mesh) -> None:
@@ -178,25 +157,28 @@ class Controller:
         """
         with self._lock:
             if self._freed:
-                self._pending.append(self._drain_freed())
+                self._pending.extend(self._drain_freed())
             if not self._pending:
                 return {}
             self._check_open()
-            payload = _pickled(self._pending)
-            quick = all(type(i) in _QUICK for i in self._pending)
+            batches = rank_batches(self._pending, self._interned, self._known)
             staged, self._staged = self._staged, {}
             self._pending = []
-            seq, self._seq = self._seq, self._seq + 1
-            blobs = {r: mine for r, mine in staged.items() if mine}  # numpy bytes: zero-copy
+            self.flushes += 1
             futures = {}
-            with interrupts_held():  # the same batch reaches every rank, or none
-                for info in self.ranks:
-                    wanted = answer if info.rank in answer_ranks else None
-                    fut = self._call(info.rank, "submit", seq, payload, blobs.get(info.rank),
-                                     wanted, quick)
+            with interrupts_held():  # the same flush reaches every rank, or none
+                for rank, batch in batches.items():
+                    wanted = answer if rank in answer_ranks else None
+                    seq, self._seqs[rank] = self._seqs[rank], self._seqs[rank] + 1
+                    fut = self._send(rank, seq, batch, staged.get(rank) or None, wanted)
                     if wanted is not None or delivered:
-                        futures[info.rank] = fut
+                        futures[rank] = fut
             return futures
+
+    def _send(self, rank: int, seq: int, batch, staged, answer):
+        """Hand one rank its batch (an actor call; the dry-run controller only counts)."""
+        return self._call(rank, "submit", seq, (batch.definitions, batch.segments), staged,
+                          answer, batch.quick)
 
     def deliver(self) -> None:
         """Flush and wait until every rank has received the batch (not run it)."""

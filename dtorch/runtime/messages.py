@@ -99,9 +99,10 @@ class Sync(NamedTuple):
 
 
 class Free(NamedTuple):
-    """Drop the local shards of these tensors."""
+    """Drop the local shards of these tensors (held by ``ranks``; None: ask every rank)."""
 
     tids: tuple[int, ...]
+    ranks: tuple[int, ...] | None = None
 
 
 class Eager(NamedTuple):

@@ -44,19 +44,23 @@ def _collective_timeout() -> float:
 
 
 def init(n_workers: int | None = None, address: str | None = None,
-         device_type: str | None = None, **dask_kwargs) -> Controller:
+         device_type: str | None = None, dry_run: bool = False, **dask_kwargs) -> Controller:
     """Start the embedded cluster (or join ``address``) and bring up one rank per worker.
 
     ``device_type`` is ``"cpu"`` unless given. Calling it again with arguments the running
     cluster satisfies (same size, device type, address) returns it; asking for a different
     cluster while DTensors are alive raises, otherwise the old one is shut down first.
+    ``dry_run=True`` starts no workers: batches for ``n_workers`` ranks are built and measured
+    (``dtorch.rank_stats()``), not sent (see :mod:`dtorch.runtime.dry_run`).
     """
     global _controller, _init_args
     if device_type not in (None, "cpu", "cuda"):
         raise ClusterError(f"device_type must be 'cpu' or 'cuda'; got {device_type!r}")
     args = dict(n_workers=n_workers, address=address, device_type=device_type, **dask_kwargs)
+    if dry_run:
+        args["dry_run"] = True
     if _controller is not None and not _controller.closed:
-        if _same_cluster(_controller, n_workers, address, device_type, dask_kwargs):
+        if _same_cluster(_controller, n_workers, address, device_type, dask_kwargs, dry_run):
             return _controller
         if _controller.live_tensors > 0:
             raise ClusterError(
@@ -64,6 +68,13 @@ def init(n_workers: int | None = None, address: str | None = None,
                 f"with {_controller.live_tensors} DTensors alive; delete them or call "
                 f"dtorch.shutdown() before dtorch.init(...) with a different cluster")
         shutdown()
+    if dry_run:
+        from .dry_run import DryRunController
+        _controller = DryRunController(n_workers or config.default_workers(),
+                                       device_type or "cpu")
+        config.set_running_world_size(_controller.world)
+        _init_args = args
+        return _controller
     started = time.monotonic()
     _notify("starting", n_workers=n_workers, address=address, device_type=device_type)
     try:
@@ -76,10 +87,14 @@ def init(n_workers: int | None = None, address: str | None = None,
     return _controller
 
 
-def _same_cluster(c: Controller, n_workers, address, device_type, dask_kwargs) -> bool:
+def _same_cluster(c: Controller, n_workers, address, device_type, dask_kwargs,
+                  dry_run: bool = False) -> bool:
     """Whether init(...) asks for what is already running (unspecified means "any")."""
+    if dry_run != bool((_init_args or {}).get("dry_run")):
+        return False
     if dask_kwargs and dask_kwargs != {k: v for k, v in (_init_args or {}).items()
-                                       if k not in ("n_workers", "address", "device_type")}:
+                                       if k not in ("n_workers", "address", "device_type",
+                                                    "dry_run")}:
         return False
     if address is not None and address != (_init_args or {}).get("address"):
         return False

@@ -7,7 +7,7 @@ can always be delivered while the interpreter is busy in a collective. Example (
 
     actor = client.submit(RankActor, rank, world, addr, port, "gloo", actor=True,
                           workers=[worker_address]).result()
-    actor.submit(0, batch_bytes, None)
+    actor.submit(0, (definitions, segments), None)   # see batches.py
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from datetime import timedelta
 
 from . import messages as m
+from .batches import unpickle_segments
 from .interpreter import Interpreter, RemoteFailure
 
 _STOP = object()
@@ -35,6 +36,7 @@ class RankActor:
         self.timeout_s = timeout_s
         self._inbox: dict[int, tuple] = {}
         self._next_seq = 0
+        self._interned: dict = {}  # meshes, rank tuples and steps the controller sent by id
         self._cv = threading.Condition()
         self._lock = threading.Lock()
         self._answers: dict[int, object] = {}
@@ -54,7 +56,7 @@ class RankActor:
         self._thread.start()
 
     # called by the controller (event loop; never blocks) ---------------------------------------
-    async def submit(self, seq: int, payload: bytes, staged: bytes | None = None,
+    async def submit(self, seq: int, payload: tuple, staged: dict | None = None,
                      answer: int | None = None, quick: bool = False):
         """Queue batch ``seq``; with ``answer``, also wait for and return that request's
         answer (a Fetch or Sync inside this batch). A ``quick`` batch (only reads and frees)
@@ -170,7 +172,7 @@ class RankActor:
 
     def _run_batch(self, payload: bytes, staged: bytes | None) -> None:
         try:
-            instructions = pickle.loads(payload)
+            instructions = unpickle_segments(payload, self._interned)
             staged = pickle.loads(staged) if isinstance(staged, bytes) else staged
         except Exception as exc:  # noqa: BLE001 - the stream is broken from here on
             self._fatal = self.interp._fail("unpickling a batch", exc).failure

@@ -1,0 +1,129 @@
+"""Building one flush's batches: each rank receives only the instructions it runs.
+
+Pending instructions are cut into *segments*, runs of consecutive instructions with the same
+target ranks (``instr.ranks``; every rank for setup, seeds, frees, syncs and random factories,
+which keep every rank's generator in step). Each segment is pickled once, with meshes, rank
+tuples and planned steps interned (``intern.py``); a rank gets the segments it is in, plus the
+definitions of the ids it has not seen. So what a rank receives per op does not grow with the
+world size, and a rank outside a sub-mesh receives nothing of its work. Example::
+
+    >>> from dtorch.runtime import messages as m
+    >>> from dtorch.runtime.intern import InternTable
+    >>> pending = [m.Free((1,)), m.Fetch(1, 5, (2,)), m.Fetch(2, 6, (2,)), m.Sync(3)]
+    >>> out = rank_batches(pending, InternTable(), [set() for _ in range(4)])
+    >>> {r: b.instructions for r, b in out.items()}
+    {0: 2, 1: 2, 2: 4, 3: 2}
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import NamedTuple
+
+from . import messages as m
+from .intern import InternTable, definitions, dumps
+
+# instructions that neither compute nor communicate: a rank whose batch holds only these may
+# run it on the worker's event loop when its interpreter is idle (reads answer sooner)
+QUICK = (m.Fetch, m.Sync, m.Free)
+
+
+class Segment(NamedTuple):
+    """Consecutive instructions for the same ranks (None: every rank), pickled once."""
+
+    targets: tuple | None
+    data: bytes
+    used: frozenset
+    quick: bool
+    count: int
+
+
+class RankBatch(NamedTuple):
+    """What one rank receives for one flush."""
+
+    definitions: bytes | None
+    segments: tuple[bytes, ...]
+    quick: bool
+    instructions: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.definitions or b"") + sum(len(s) for s in self.segments)
+
+
+def targets_of(instr) -> tuple | None:
+    """The ranks that must receive ``instr`` (None: every rank)."""
+    if type(instr) is m.Create and instr.all_ranks:
+        return None
+    return getattr(instr, "ranks", None)
+
+
+def segments(pending: list, table: InternTable) -> list[Segment]:
+    runs: list[tuple] = []
+    for instr in pending:
+        t = targets_of(instr)
+        if runs and (runs[-1][0] is t or runs[-1][0] == t):
+            runs[-1][1].append(instr)
+        else:
+            runs.append((t, [instr]))
+    out = []
+    for t, instrs in runs:
+        data, used = _pickled(instrs, table)
+        out.append(Segment(t, data, frozenset(used), all(type(i) in QUICK for i in instrs),
+                           len(instrs)))
+    return out
+
+
+def rank_batches(pending: list, table: InternTable, known: list[set]) -> dict[int, RankBatch]:
+    """``{rank: RankBatch}`` for every rank that has something to run; ``known[r]`` (the ids
+    rank r has definitions for) is updated."""
+    per_rank: dict[int, list[Segment]] = {}
+    everyone = range(len(known))
+    for seg in segments(pending, table):
+        for r in (everyone if seg.targets is None else seg.targets):
+            per_rank.setdefault(r, []).append(seg)
+    out = {}
+    for r, segs in per_rank.items():
+        new = set().union(*(s.used for s in segs)) - known[r]
+        known[r] |= new
+        out[r] = RankBatch(definitions(table, sorted(new)) if new else None,
+                           tuple(s.data for s in segs), all(s.quick for s in segs),
+                           sum(s.count for s in segs))
+    return out
+
+
+def _raise_unsendable(message: str):
+    raise TypeError(message)
+
+
+def _pickled(instructions: list, table: InternTable) -> tuple[bytes, set]:
+    """The segment as bytes; an instruction pickle cannot send becomes one that fails on the
+    ranks with the reason (its outputs poisoned), so the rest of the batch still goes."""
+    try:
+        return dumps(instructions, table)
+    except Exception:  # noqa: BLE001 - find the culprits below
+        pass
+    out = []
+    for instr in instructions:
+        try:
+            dumps(instr, table)
+            out.append(instr)
+        except Exception as exc:  # noqa: BLE001
+            outs = getattr(instr, "outs", None) or (getattr(instr, "out", None),)
+            out.append(m.Call(tuple(t for t in outs if t is not None), _raise_unsendable,
+                              (f"{type(instr).__name__} could not be sent to the ranks: "
+                               f"{type(exc).__name__}: {exc}",), {},
+                              getattr(instr, "ranks", ())))
+    return dumps(out, table)
+
+
+def unpickle_segments(batch, rank_table: dict) -> list:
+    """On a rank: the instructions of a received batch, in order (definitions first)."""
+    from .intern import loads
+    definitions_, segs = batch
+    if definitions_:
+        rank_table.update(pickle.loads(definitions_))
+    out = []
+    for data in segs:
+        out.extend(loads(data, rank_table))
+    return out

@@ -1,0 +1,59 @@
+"""Dry-run mode: the same controller, planner and rules with no workers.
+
+``dtorch.init(n_workers=1024, dry_run=True)`` builds every batch as a real run would and
+counts, per rank, the batches, instructions and bytes it would receive; nothing is sent, so
+plans for meshes far bigger than this machine can be measured. Reading a value raises
+:class:`DryRunError`. Example::
+
+    dtorch.init(n_workers=1024, dry_run=True)
+    x = dtorch.ones(1024, 8, device_mesh=dtorch.init_device_mesh("cpu", 1024),
+                    placements=[dtorch.Shard(0)])
+    y = (x * 2 + 1).relu()
+    dtorch.synchronize()                 # builds the batches
+    dtorch.rank_stats()[1023]            # {'rank': 1023, 'batches': 1, 'instructions': 5, ...}
+    y.to_torch()                         # DryRunError: no values in dry-run mode
+"""
+
+from __future__ import annotations
+
+from ..errors import DTorchError
+from .cluster import RankInfo
+from .controller import Controller
+
+
+class DryRunError(DTorchError):
+    """A value was asked for in dry-run mode."""
+
+
+class DryRunController(Controller):
+    """Builds and measures batches for ``world`` ranks without sending them."""
+
+    def __init__(self, world: int, device_type: str = "cpu"):
+        ranks = [RankInfo(r, f"dry-run://rank-{r}", "dry-run", None, None) for r in range(world)]
+        super().__init__(None, None, ranks, device_type)
+        self.traffic = [{"rank": r, "batches": 0, "instructions": 0, "bytes": 0,
+                         "staged_bytes": 0} for r in range(world)]
+
+    def _send(self, rank, seq, batch, staged, answer):
+        t = self.traffic[rank]
+        t["batches"] += 1
+        t["instructions"] += batch.instructions
+        t["bytes"] += batch.nbytes
+        t["staged_bytes"] += sum(w.data.nbytes for w in (staged or {}).values())
+        return None
+
+    def request(self, make, ranks):
+        raise DryRunError("dtorch runs in dry-run mode (dtorch.init(dry_run=True)): no rank "
+                          "computes anything, so values cannot be read; start a real cluster "
+                          "with dtorch.init() to read them")
+
+    def synchronize(self, timeout=None) -> None:
+        self.flush()
+
+    def stats(self) -> list[dict]:
+        self.flush()
+        return [dict(t) for t in self.traffic]
+
+    def close(self) -> None:
+        self.closed = True
+        self._pool.shutdown(wait=False)
