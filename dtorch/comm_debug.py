@@ -80,7 +80,8 @@ def record(rec: CommRecord) -> None:
 
 
 def record_steps(steps: Iterable) -> None:
-    """Record the collective steps of a redistribute plan."""
+    """Record the collective steps of a redistribute plan, or of a composite op's plan
+    (``CompositePlan.collectives``: its all_to_all and send_recv steps, as the ranks run them)."""
     if not _listeners:
         return
     for s in steps:
