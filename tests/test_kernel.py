@@ -244,8 +244,8 @@ def test_worker_stdout_and_stderr_reach_the_cell(kernel):
 import warnings
 from dtorch.runtime import session, messages as m
 c = session.get_controller()
-c.issue(m.Call((c.new_tid(),), print, ("hello from a rank",), {}, (0, 1, 2, 3)))
-c.issue(m.Call((c.new_tid(),), warnings.warn, ("careful up there",), {}, (0, 1, 2, 3)))
+c.issue(m.Call((), print, ("hello from a rank",), {}, (0, 1, 2, 3)))
+c.issue(m.Call((), warnings.warn, ("careful up there",), {}, (0, 1, 2, 3)))
 """)
     out, err = cell.stream("stdout"), cell.stream("stderr")
     for rank in range(4):

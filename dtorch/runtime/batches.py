@@ -10,8 +10,8 @@ world size, and a rank outside a sub-mesh receives nothing of its work. Example:
     >>> from dtorch.runtime import messages as m
     >>> from dtorch.runtime.intern import InternTable
     >>> pending = [m.Free((1,)), m.Fetch(1, 5, (2,)), m.Fetch(2, 6, (2,)), m.Sync(3)]
-    >>> out = rank_batches(pending, InternTable(), [set() for _ in range(4)])
-    >>> {r: b.instructions for r, b in out.items()}
+    >>> out = rank_batches(pending, InternTable(), [set()] * 4)
+    >>> {r: out[r].instructions for r in sorted(out)}
     {0: 2, 1: 2, 2: 4, 3: 2}
 """
 
@@ -74,21 +74,52 @@ def segments(pending: list, table: InternTable) -> list[Segment]:
     return out
 
 
-def rank_batches(pending: list, table: InternTable, known: list[set]) -> dict[int, RankBatch]:
-    """``{rank: RankBatch}`` for every rank that has something to run; ``known[r]`` (the ids
-    rank r has definitions for) is updated."""
-    per_rank: dict[int, list[Segment]] = {}
-    everyone = range(len(known))
-    for seg in segments(pending, table):
-        for r in (everyone if seg.targets is None else seg.targets):
-            per_rank.setdefault(r, []).append(seg)
+def rank_batches(pending: list, table: InternTable, known: list) -> dict[int, RankBatch]:
+    """``{rank: RankBatch}`` for every rank that has something to run.
+
+    Ranks are split into classes that receive the same segments (a segment for every rank
+    splits nothing, so the usual flush costs no per-rank work until the end) and know the same
+    ids (``known[r]``: ranks with the same history share one set object); each class gets one
+    RankBatch."""
+    world = len(known)
+    segs = segments(pending, table)
+    classes = [(list(range(world)), [])]  # (ranks, indices of their segments)
+    for i, seg in enumerate(segs):
+        if seg.targets is None or len(seg.targets) == world:
+            for _, indices in classes:
+                indices.append(i)
+            continue
+        inside = set(seg.targets)
+        split = []
+        for ranks, indices in classes:
+            ins = [r for r in ranks if r in inside]
+            if len(ins) == len(ranks):
+                indices.append(i)
+                split.append((ranks, indices))
+                continue
+            if ins:
+                split.append((ins, indices + [i]))
+            split.append(([r for r in ranks if r not in inside], indices))
+        classes = split
     out = {}
-    for r, segs in per_rank.items():
-        new = set().union(*(s.used for s in segs)) - known[r]
-        known[r] |= new
-        out[r] = RankBatch(definitions(table, sorted(new)) if new else None,
-                           tuple(s.data for s in segs), all(s.quick for s in segs),
-                           sum(s.count for s in segs))
+    for ranks, indices in classes:
+        if not indices:
+            continue
+        mine = [segs[i] for i in indices]
+        used = set().union(*(s.used for s in mine))
+        by_history: dict[int, list[int]] = {}
+        for r in ranks:
+            by_history.setdefault(id(known[r]), []).append(r)
+        for members in by_history.values():
+            seen = known[members[0]]
+            new = used - seen
+            batch = RankBatch(definitions(table, sorted(new)) if new else None,
+                              tuple(s.data for s in mine), all(s.quick for s in mine),
+                              sum(s.count for s in mine))
+            now_known = seen | new if new else seen
+            for r in members:
+                out[r] = batch
+                known[r] = now_known
     return out
 
 

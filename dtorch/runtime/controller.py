@@ -82,10 +82,11 @@ class Controller:
         self._seqs = [0] * self.world  # each rank's own batch sequence
         self.flushes = 0  # flushes that shipped something (the kernel's per-cell check)
         self._interned = InternTable()
-        self._known: list[set] = [set() for _ in range(self.world)]  # ids each rank can resolve
+        self._known: list[set] = [set()] * self.world  # ids each rank resolves (shared sets)
         self._tids = itertools.count(1)
         self._reqs = itertools.count(1)
         self._groups_made: set[tuple[int, ...]] = set()
+        self._meshes_ready: set = set()  # meshes checked and with their groups made
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dtorch-fetch")
 
@@ -109,11 +110,11 @@ class Controller:
 
     def _drain_freed(self) -> list:
         """One Free per holder set, for the ranks that hold the tensors (in drop order)."""
-        by_ranks: dict = {}
+        by_ranks: dict = {}  # keyed by identity: a mesh's rank tuple is one object (no hashing)
         while self._freed:
             tid, ranks = self._freed.popleft()
-            by_ranks.setdefault(ranks, []).append(tid)
-        return [m.Free(tuple(tids), ranks) for ranks, tids in by_ranks.items()]
+            by_ranks.setdefault(id(ranks), (ranks, []))[1].append(tid)
+        return [m.Free(tuple(tids), ranks) for ranks, tids in by_ranks.values()]
 
     def stage(self, rank: int, tid: int, tensor) -> None:
         """Attach a shard for ``rank`` to the next batch (read by a ``Load``)."""
@@ -127,6 +128,8 @@ class Controller:
     def ensure_mesh(self, mesh) -> None:
         """Check a mesh against the cluster; create its process groups on first use."""
         self._check_open()
+        if mesh in self._meshes_ready:
+            return
         if mesh.device_type != self.device_type:
             raise ClusterError(f"this cluster runs {self.device_type!r} ranks; the mesh is "
                                f"{mesh.device_type!r}. Build the mesh with device_type="
@@ -146,6 +149,7 @@ class Controller:
                     new.append(key)
         if new:
             self.issue(m.SetupMesh(tuple(new), self.backend))
+        self._meshes_ready.add(mesh)
 
     def flush(self, answer: int | None = None, answer_ranks=(), delivered: bool = False) -> dict:
         """Ship everything pending as one batch to every rank.
@@ -166,6 +170,7 @@ class Controller:
             self._pending = []
             self.flushes += 1
             futures = {}
+            answer_ranks = set(answer_ranks)
             with interrupts_held():  # the same flush reaches every rank, or none
                 for rank, batch in batches.items():
                     wanted = answer if rank in answer_ranks else None

@@ -31,15 +31,17 @@ class DryRunController(Controller):
     def __init__(self, world: int, device_type: str = "cpu"):
         ranks = [RankInfo(r, f"dry-run://rank-{r}", "dry-run", None, None) for r in range(world)]
         super().__init__(None, None, ranks, device_type)
-        self.traffic = [{"rank": r, "batches": 0, "instructions": 0, "bytes": 0,
-                         "staged_bytes": 0} for r in range(world)]
+        self._batches = [0] * world
+        self._instructions = [0] * world
+        self._bytes = [0] * world
+        self._staged_bytes = [0] * world
 
     def _send(self, rank, seq, batch, staged, answer):
-        t = self.traffic[rank]
-        t["batches"] += 1
-        t["instructions"] += batch.instructions
-        t["bytes"] += batch.nbytes
-        t["staged_bytes"] += sum(w.data.nbytes for w in (staged or {}).values())
+        self._batches[rank] += 1
+        self._instructions[rank] += batch.instructions
+        self._bytes[rank] += batch.nbytes
+        if staged:
+            self._staged_bytes[rank] += sum(w.data.nbytes for w in staged.values())
         return None
 
     def request(self, make, ranks):
@@ -52,7 +54,9 @@ class DryRunController(Controller):
 
     def stats(self) -> list[dict]:
         self.flush()
-        return [dict(t) for t in self.traffic]
+        return [{"rank": r, "batches": self._batches[r], "instructions": self._instructions[r],
+                 "bytes": self._bytes[r], "staged_bytes": self._staged_bytes[r]}
+                for r in range(self.world)]
 
     def close(self) -> None:
         self.closed = True

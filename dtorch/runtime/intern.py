@@ -24,8 +24,9 @@ import threading
 
 from ..mesh import DeviceMesh, RankTuple
 from ..redistribute import Step
+from .messages import CompositePlan
 
-_INTERNED = (DeviceMesh, RankTuple, Step)
+_INTERNED = (DeviceMesh, RankTuple, Step, CompositePlan)
 _local = threading.local()  # the table of the rank unpickling on this thread
 
 
