@@ -44,11 +44,15 @@ class InternTable:
         if hit is not None:
             return hit[0]
         key = (type(obj), obj)
-        iid = self._by_value.get(key)
+        try:
+            iid = self._by_value.get(key)
+        except TypeError:  # unhashable (a composite plan's tables): by identity only
+            key, iid = None, None
         if iid is None:
             iid = len(self.values)
             self.values[iid] = obj
-            self._by_value[key] = iid
+            if key is not None:
+                self._by_value[key] = iid
         self._by_identity[id(obj)] = (iid, obj)  # obj kept alive: its id is never reused
         return iid
 
