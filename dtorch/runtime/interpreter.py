@@ -25,7 +25,7 @@ from ..redistribute import COLLECTIVES
 from . import messages as m
 from .buffers import BufferPool
 from .wire import pack, unpack
-from .collectives import StepContext, is_comm_failure, run_step, send_recv
+from .collectives import StepContext, collective_calls, is_comm_failure, run_step, send_recv
 from .composite import run_composite
 
 
@@ -250,8 +250,9 @@ class Interpreter:
                 elif coord is not None:
                     value, peer = run_step(step, value, ctx, poison is not None)
                     if peer is not None and poison is None:
+                        who = f"rank {peer}'s" if peer >= 0 else "a peer's"
                         poison = Poison(RemoteFailure(
-                            self.rank, "redistribute", f"rank {peer}'s input to this "
+                            self.rank, "redistribute", f"{who} input to this "
                             f"{step.kind} came from a failed op; dtorch.synchronize() raises "
                             f"that failure with its traceback", ""))
                 if step.kind in COLLECTIVES and any(self.rank in g for g in step.groups):
@@ -394,4 +395,5 @@ class Interpreter:
                 "bytes": sum(t.numel() * t.element_size() for t in tensors),
                 "counts": dict(self.counts), "instructions": self.instructions,
                 "pool_bytes": self.pool.held, "pool_reused": self.pool.reused,
-                "composite_peak_bytes": self.composite_peak_bytes}
+                "composite_peak_bytes": self.composite_peak_bytes,
+                "dist_calls": collective_calls()}
