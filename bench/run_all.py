@@ -6,6 +6,11 @@
 - ``startup.py``: cold start to the first value vs spawning 4 torch processes (<= 2x)
 - ``op_overhead.py``: controller cost per op and a 500-op chain / TP MLP forward vs PyTorch's
   DTensor under SPMD (<= 0.2x per op on the controller, <= 1.0x end to end)
+- ``tp_mlp_vs_dtensor.py``: a dtorch.nn TP MLP forward (ColumnParallelLinear ->
+  RowParallelLinearWithReplicateOutput) at batch 1 and 64 vs PyTorch's DTensor with
+  ``parallelize_module`` under SPMD, taking turns (<= 1.0x end to end)
+- ``pipeline.py``: 2 pipeline stages (one rank each), 8 micro-batches vs the same work as one
+  batch (speedup >= 1.6x, i.e. a ratio <= 0.625), and what each stage spent waiting
 
 Each runs in its own child process (one process tree; every cluster and process group is torn
 down before the next starts, and Dask's worker environment does not leak into the next one).
@@ -30,7 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _common import Row, command, machine, markdown, now, table  # noqa: E402
 
-BENCHES = ("redistribute_vs_torch.py", "to_torch_vs_dask.py", "startup.py", "op_overhead.py")
+BENCHES = ("redistribute_vs_torch.py", "to_torch_vs_dask.py", "startup.py", "op_overhead.py",
+           "tp_mlp_vs_dtensor.py", "pipeline.py")
 
 
 def main() -> int:
