@@ -171,7 +171,11 @@ def tensor(data, dtype=None, device_mesh=None, placements=None, device=None,
                         "placements, or .to_torch() first")
     if isinstance(dtype, DeviceMesh):  # dtorch.tensor(t, mesh, placements), as distribute_tensor
         dtype, device_mesh, placements = None, dtype, device_mesh
-    value = torch.as_tensor(data, dtype=dtype).detach().cpu()
+    value = torch.as_tensor(data, dtype=dtype).detach()
+    if value.layout != torch.strided:
+        raise TypeError(f"dtorch.tensor takes dense tensors; this one is {value.layout}. "
+                        f"Convert it first: t.to_dense()")
+    value = value.cpu()
     mesh = _mesh(device_mesh, device)
     spec = make_spec(value.shape, value.dtype, mesh, placements)
     c = session.get_controller()

@@ -138,3 +138,56 @@ def test_dtorch_namespace_routes_ops_without_a_rule(mesh1d):
     got = dtorch.kron(dt(a, mesh1d, [R]), dt(b, mesh1d, [R]))
     assert torch.allclose(got.to_torch(), torch.kron(a, b))
     assert torch.equal(dtorch.kron(a, b), torch.kron(a, b))  # plain torch without DTensors
+
+
+def test_torch_ops_operators_travel_by_name(mesh1d):
+    x = torch.randn(4, 5)
+    got = torch.ops.aten._softmax_backward_data(dt(x, mesh1d, [R]), dt(x, mesh1d, [R]), 0,
+                                                torch.float32)
+    want = torch.ops.aten._softmax_backward_data(x, x, 0, torch.float32)
+    assert torch.allclose(got.to_torch(), want)
+    assert torch.equal(torch.ops.aten.slice.Tensor(dt(x, mesh1d, [R]), 1, 1, 3).to_torch(),
+                       x[:, 1:3])
+
+
+def test_an_op_that_fails_only_on_zero_stand_ins_runs(mesh1d):
+    """torch.cov checks its weights' values: meta cannot run it and zeros make it raise."""
+    x, w = torch.randn(4, 5), torch.rand(5) + 0.5
+    got = torch.cov(dt(x, mesh1d, [R]), aweights=dt(w, mesh1d, [R]))
+    assert torch.allclose(got.to_torch(), torch.cov(x, aweights=w), atol=1e-6)
+
+
+def test_plain_tensors_beside_replicated_inputs_are_constants(mesh1d):
+    z = torch.randn(5, 5, 5)
+    assert torch.allclose(torch.masked.std(dt(z, mesh1d, [R])).to_torch(), torch.masked.std(z))
+    x = torch.randn(3, 4)
+    assert torch.allclose((dt(x, mesh1d, [R]) + torch.ones(4)).to_torch(), x + 1)
+    with pytest.raises(TypeError, match="plain torch.Tensor"):
+        dt(x, mesh1d, [Shard(0)]) + torch.ones(4)  # a sharded input: still refused
+
+
+def test_sparse_tensors_are_refused_clearly_and_nothing_breaks(mesh1d):
+    x = torch.randn(4, 5)
+    with pytest.raises(TypeError, match="dense tensors.*to_dense"):
+        dtorch.distribute_tensor(torch.eye(4).to_sparse_csr(), mesh1d, [R])
+    with pytest.raises(UnsupportedOpError, match="sparse_coo tensor; DTensors are dense"):
+        dt(x, mesh1d, [R]).to_sparse()
+    with pytest.raises(UnsupportedOpError, match="change the shape"):
+        dt(x, mesh1d, [R]).resize_(2, 2)
+    dtorch.synchronize()  # no rank hit an error: nothing was left behind
+    assert torch.equal((dt(x, mesh1d, [R]) + 1).to_torch(), x + 1)
+
+
+def test_attention_dropout_in_training_is_refused(mesh1d):
+    e, h = 8, 2
+    q = torch.randn(3, 1, e)
+    w_in, b_in = torch.randn(3 * e, e), torch.randn(3 * e)
+    w_out, b_out = torch.randn(e, e), torch.randn(e)
+    d = [dt(t, mesh1d, [R]) for t in (q, w_in, b_in, w_out, b_out)]
+    args = (d[0], d[0], d[0], e, h, d[1], d[2], None, None, False, 0.5, d[3], d[4])
+    with pytest.raises(UnsupportedOpError, match="dropout in training mode"):
+        F.multi_head_attention_forward(*args, training=True)
+    got, _ = F.multi_head_attention_forward(*args, training=False)
+    want, _ = F.multi_head_attention_forward(q, q, q, e, h, w_in, b_in, None, None, False, 0.5,
+                                             w_out, b_out, training=False)
+    assert torch.allclose(got.to_torch(), want, atol=1e-5)

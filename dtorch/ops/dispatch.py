@@ -15,6 +15,7 @@ import math
 from typing import Callable, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import comm_debug
 from ..errors import DTorchError, PlacementError
@@ -255,7 +256,9 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
             f"run on these DTensors. It runs when every DTensor input is Replicate "
             f"(x.redistribute(placements=[Replicate()] * mesh.ndim)); see dtorch.ops.coverage() "
             f"for the functions with rules, or gather with .to_torch() to use plain torch")
-    _reject_plain_tensors((args, kwargs))
+    constants = _has_plain_tensors((args, kwargs))
+    if constants and not generic.all_replicate(tensors):
+        _reject_plain_tensors((args, kwargs))
     counter = iter(range(len(tensors)))
     labels = entry.arg_names if entry is not None else ("input", "other")
     targs = tuple(_targ(a, labels[i] if i < len(labels) else f"arg{i}", counter)
@@ -269,7 +272,7 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
                 f"{name}: inputs live on different meshes: {flat[0].label} on {mesh}, "
                 f"{t.label} on {t.mesh}. Move one with x.redistribute(device_mesh=...) (same "
                 f"mesh shape), or make both on one mesh")
-    if entry is None:
+    if entry is None or constants:  # plain tensors beside Replicate DTensors: constants
         return _store(key, _replicated_plan(func, targs, tkwargs, flat, mesh))
     try:
         return _store(key, _ruled_plan(entry, func, targs, tkwargs, flat, mesh))
@@ -281,7 +284,9 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
 
 def _ruled_plan(entry, func, targs, tkwargs, flat, mesh) -> Plan:
     """The plan a dedicated rule gives."""
-    outputs = describe(_infer(entry.meta or func, targs, tkwargs))
+    result = _infer(entry.meta or func, targs, tkwargs)
+    _refuse_layouts(func, result)
+    outputs = describe(result)
     if outputs.kind == "value":
         return Plan((), func, None, None, mesh.ranks, outputs, None)
     op = OpCall(entry, func, targs, tkwargs, tuple(flat), mesh, outputs)
@@ -321,14 +326,41 @@ def _replicated_plan(func, targs, tkwargs, flat, mesh) -> Plan:
 
 def _infer_replicated(func, targs, tkwargs) -> Outputs | None:
     """Outputs inferred on meta, or None when they depend on the values (meta cannot run the
-    op, or it returns no tensor, or a mix of tensors and other values)."""
+    op, or it returns no tensor, or a mix of tensors and other values). An op that fails on
+    zero stand-ins and on ones is the user's error, raised here; one that fails only on zeros
+    (``torch.cov``'s weights must not sum to zero) depends on values and runs eagerly."""
+    margs, mkwargs = _plain_to_meta(to_meta(targs)), _plain_to_meta(to_meta(tkwargs))
     try:
-        return describe(func(*to_meta(targs), **to_meta(tkwargs)))
+        result = func(*margs, **mkwargs)
     except Exception:  # noqa: BLE001 - a real error shows on the cpu stand-ins
         error = _cpu_error(func, targs, tkwargs)
-        if error is not None:
+        if error is not None and _cpu_error(func, targs, tkwargs, fill=torch.ones) is not None:
             raise error from None
         return None
+    _refuse_layouts(func, result)
+    try:
+        return describe(result)
+    except TypeError:  # tensors mixed with other values: the eager path unpacks them
+        return None
+
+
+def _refuse_layouts(func, result) -> None:
+    for t in pytree.tree_leaves(result):
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise UnsupportedOpError(
+                f"{display_name(func)} returns a {t.layout} tensor; DTensors are dense "
+                f"(strided). Keep the dense tensor, or gather with .to_torch() and convert "
+                f"there")
+
+
+def _plain_to_meta(obj):
+    """Plain torch tensors (constants beside Replicate DTensors) as meta tensors."""
+    return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) and
+                           t.device.type != "meta" else t, obj)
+
+
+def _has_plain_tensors(obj) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dim() != 0 for t in pytree.tree_leaves(obj))
 
 
 def _generic_inplace(func, flat, specs) -> int | None:
@@ -338,8 +370,9 @@ def _generic_inplace(func, flat, specs) -> int | None:
         return None
     target = flat[0]
     if len(specs) != 1 or specs[0].shape != target.shape or specs[0].dtype != target.dtype:
-        raise TypeError(f"{display_name(func)}: in-place ops that change the shape or dtype of "
-                        f"a DTensor are not supported; use the out-of-place op")
+        raise UnsupportedOpError(f"{display_name(func)}: in-place ops that change the shape or "
+                                 f"dtype of a DTensor are not supported; use the out-of-place "
+                                 f"op")
     return 0
 
 
@@ -354,14 +387,15 @@ def _infer(fn, targs, tkwargs):
         raise
 
 
-def _cpu_error(fn, targs, tkwargs, limit: int = 1 << 20):
-    """The exception ``fn`` raises on small zero-filled cpu tensors of the same shapes (meta
-    kernels word some errors differently), or None when it does not raise or is too big."""
+def _cpu_error(fn, targs, tkwargs, limit: int = 1 << 20, fill=torch.zeros):
+    """The exception ``fn`` raises on small cpu tensors of the same shapes filled by ``fill``
+    (meta kernels word some errors differently), or None when it does not raise or is too
+    big."""
     flat = _flatten_targs((targs, tkwargs))
     if sum(math.prod(t.shape) for t in flat) > limit:
         return None
     try:
-        fn(*to_zeros(targs), **to_zeros(tkwargs))
+        fn(*to_zeros(targs, fill), **to_zeros(tkwargs, fill))
     except Exception as exc:  # noqa: BLE001
         return exc
     return None

@@ -45,6 +45,11 @@ _RANDOM_WHEN_TRAINING = {F.rrelu: 3, torch.rrelu: 3, F.dropout: 2, F.alpha_dropo
                          F.feature_alpha_dropout: 2, F.dropout1d: 2, F.dropout2d: 2,
                          F.dropout3d: 2}
 _DEFAULT_TRAINING = {F.rrelu: False, torch.rrelu: False}
+_RANDOM_WHEN = {  # other random cases: func -> predicate(args, kwargs)
+    F.multi_head_attention_forward: lambda a, k: (
+        k.get("dropout_p", a[10] if len(a) > 10 else 0) > 0
+        and k.get("training", a[13] if len(a) > 13 else True)),
+}
 
 
 _HOMES = (("torch", torch), ("torch.Tensor", torch.Tensor), ("torch.nn.functional", F),
@@ -67,6 +72,31 @@ class ByName(NamedTuple):
         return getattr(home, self.name)(*args, **kwargs)
 
 
+class AtenOp(NamedTuple):
+    """A ``torch.ops`` operator sent by name (``torch.ops.aten.slice.Tensor``)."""
+
+    namespace: str
+    name: str
+    overload: str | None
+
+    @property
+    def __name__(self) -> str:
+        return self.name
+
+    def __call__(self, *args, **kwargs):
+        packet = getattr(getattr(torch.ops, self.namespace), self.name)
+        return (getattr(packet, self.overload) if self.overload else packet)(*args, **kwargs)
+
+
+def _aten(fn):
+    if isinstance(fn, torch._ops.OpOverload):
+        return AtenOp(fn.namespace, fn._schema.name.split("::")[-1], fn._overloadname)
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        namespace, name = fn._qualified_op_name.split("::")
+        return AtenOp(namespace, name, None)
+    return None
+
+
 def picklable(fn):
     """``fn`` itself when pickle can send it, else a :class:`ByName` that finds it on the rank.
 
@@ -78,12 +108,16 @@ def picklable(fn):
         return fn
     except Exception:  # noqa: BLE001 - pickle raises several types
         pass
+    aten = _aten(fn)
+    if aten is not None:
+        return aten
     name = getattr(fn, "__name__", None)
     for home, ns in _HOMES:
         if name and getattr(ns, name, None) is fn:
             return ByName(home, name)
-    raise TypeError(f"{display_name(fn)} cannot be sent to the ranks (pickle cannot find it "
-                    f"by name); call a torch function instead")
+    from .dispatch import UnsupportedOpError
+    raise UnsupportedOpError(f"{display_name(fn)} cannot be sent to the ranks (pickle cannot "
+                             f"find it by name); call a torch function instead")
 
 
 def all_replicate(tensors) -> bool:
@@ -96,6 +130,9 @@ def random_reason(func, args, kwargs) -> str | None:
     """Why ``func(*args, **kwargs)`` has random results, or None when it is deterministic."""
     if func in _ALWAYS_RANDOM:
         return f"{display_name(func)} draws random numbers"
+    when = _RANDOM_WHEN.get(func)
+    if when is not None and when(args, kwargs):
+        return f"{display_name(func)} with dropout in training mode draws random numbers"
     pos = _RANDOM_WHEN_TRAINING.get(func)
     if pos is not None:
         training = kwargs.get("training", args[pos] if len(args) > pos else
@@ -121,6 +158,13 @@ def run_eager(controller, func, cargs, ckwargs, mesh, wrap):
     with warnings.catch_warnings():  # torch warns about its own LeafSpec when unpickling
         warnings.simplefilter("ignore", FutureWarning)
         spec, leaves = pickle.loads(value)
+    layouts = {leaf[3] for leaf in leaves if leaf[0] == "tensor"} - {"torch.strided"}
+    if layouts:
+        controller.issue(m.Free((raw,)))
+        from .dispatch import UnsupportedOpError
+        raise UnsupportedOpError(f"{display_name(func)} returns a {layouts.pop()} tensor; "
+                                 f"DTensors are dense (strided). Keep the dense tensor, or "
+                                 f"gather with .to_torch() and convert there")
     tids = tuple(controller.new_tid() for kind, *_ in leaves if kind == "tensor")
     controller.issue(m.Unflatten(raw, tids, ranks))
     tid_iter = iter(tids)

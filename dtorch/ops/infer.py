@@ -49,9 +49,9 @@ def to_meta(obj):
     return _map_targs(obj, lambda a: torch.empty(a.shape, dtype=a.dtype, device="meta"))
 
 
-def to_zeros(obj):
-    """Like :func:`to_meta` with zero-filled cpu tensors (for error messages only)."""
-    return _map_targs(obj, lambda a: torch.zeros(a.shape, dtype=a.dtype))
+def to_zeros(obj, fill=torch.zeros):
+    """Like :func:`to_meta` with zero-filled (or ``fill``-ed) cpu tensors, for error messages."""
+    return _map_targs(obj, lambda a: fill(a.shape, dtype=a.dtype))
 
 
 def infer_outputs(fn, args, kwargs) -> Outputs:

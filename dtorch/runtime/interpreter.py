@@ -102,8 +102,8 @@ def describe_result(value):
     """``(treespec, leaves)``: tensor leaves as ``("tensor", shape, dtype)``, other leaves as
     ``("value", v)`` (what the controller needs to wrap an eager result)."""
     leaves, spec = pytree.tree_flatten(value)
-    return spec, [("tensor", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor)
-                  else ("value", v) for v in leaves]
+    return spec, [("tensor", tuple(v.shape), v.dtype, str(v.layout))
+                  if isinstance(v, torch.Tensor) else ("value", v) for v in leaves]
 
 
 class Interpreter:
@@ -151,7 +151,8 @@ class Interpreter:
 
     def _failed_instruction(self, instr, exc: Exception):
         """Poison what ``instr`` would have written; answer its request with the error."""
-        if self.rank not in getattr(instr, "ranks", (self.rank,)):
+        ranks = getattr(instr, "ranks", None)
+        if ranks is not None and self.rank not in ranks:
             return None
         poison = self._fail(_label(instr), exc)
         for tid in _outputs_of(instr):
@@ -384,7 +385,7 @@ class Interpreter:
     def _free(self, instr: m.Free):
         for tid in instr.tids:
             value = self.store.pop(tid, None)
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.layout == torch.strided:
                 self.pool.give_back(value)  # reused only if nothing else can reach it
             del value
 

@@ -179,9 +179,13 @@ class RankActor:
             return
         for instr in instructions:
             if self._init_error is not None:
-                answer = _init_failure_answer(instr, self._init_error)
+                answer = _failure_answer(instr, self._init_error)
             else:
-                answer = self.interp.execute(instr, staged)
+                try:
+                    answer = self.interp.execute(instr, staged)
+                except Exception as exc:  # noqa: BLE001 - a bug in the error path itself
+                    answer = _failure_answer(instr, self.interp._fail("interpreter",
+                                                                           exc).failure)
             if answer is not None:
                 self._post(*answer)
 
@@ -198,10 +202,11 @@ class RankActor:
                                                    timeout=timedelta(seconds=self.timeout_s))
 
 
-def _init_failure_answer(instr, failure: RemoteFailure):
-    """Without a process group nothing runs; Fetch and Sync answer with the init error."""
-    if isinstance(instr, m.Fetch) and failure.rank in instr.ranks:
-        return instr.req, ("err", failure)
+def _failure_answer(instr, failure: RemoteFailure):
+    """An instruction that could not run: a request (Fetch, Eager, Sync) still answers, with
+    the failure, so nobody waits for it."""
     if isinstance(instr, m.Sync):
         return instr.req, ("ok", [failure])
+    if getattr(instr, "req", None) is not None:
+        return instr.req, ("err", failure)
     return None
