@@ -1,10 +1,10 @@
 """Controller -> worker instructions: one small NamedTuple each.
 
-A batch is a list of these, pickled once and sent as the same bytes to every rank; each
-instruction names the ranks that execute it (``ranks``), the others skip it. Example::
+A flush sends each rank the instructions it runs (``batches.py``): each instruction names
+the ranks that execute it (``ranks``; None for every rank). Example::
 
-    >>> Free(tids=(3, 4))
-    Free(tids=(3, 4))
+    >>> Free(tids=(3, 4), ranks=(0, 1))
+    Free(tids=(3, 4), ranks=(0, 1))
 """
 
 from __future__ import annotations
