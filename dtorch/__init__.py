@@ -7,8 +7,8 @@
 """
 
 from .errors import (ClusterError, DTorchError, FreedTensorError, InterpreterStuckError,
-                     MeshError, PlacementError, PlacementValueError, RemoteError,
-                     WorkerLostError)
+                     MeshError, MixedTensorError, PlacementError, PlacementValueError,
+                     RemoteError, UnsupportedOpError, WorkerLostError)
 from .layout import chunk_sizes, local_shapes, rank_blocks
 from .mesh import DeviceMesh, init_device_mesh
 from .pipeline import assign_layers_to_stages

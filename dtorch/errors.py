@@ -45,3 +45,12 @@ class ClusterError(DTorchError):
 
 class FreedTensorError(DTorchError):
     """A DTensor whose shards were freed was used again."""
+
+
+class UnsupportedOpError(DTorchError, NotImplementedError):
+    """dtorch cannot run this op (or take this input) on DTensors; the message says what to
+    do instead."""
+
+
+class MixedTensorError(UnsupportedOpError, TypeError):
+    """A plain torch.Tensor was mixed with sharded DTensors (make it a DTensor first)."""

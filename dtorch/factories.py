@@ -173,8 +173,9 @@ def tensor(data, dtype=None, device_mesh=None, placements=None, device=None,
         dtype, device_mesh, placements = None, dtype, device_mesh
     value = torch.as_tensor(data, dtype=dtype).detach()
     if value.layout != torch.strided:
-        raise TypeError(f"dtorch.tensor takes dense tensors; this one is {value.layout}. "
-                        f"Convert it first: t.to_dense()")
+        from .errors import UnsupportedOpError
+        raise UnsupportedOpError(f"dtorch.tensor takes dense tensors; this one is "
+                                 f"{value.layout}. Convert it first: t.to_dense()")
     value = value.cpu()
     mesh = _mesh(device_mesh, device)
     spec = make_spec(value.shape, value.dtype, mesh, placements)

@@ -46,10 +46,7 @@ RANDOM = {"bernoulli", "cauchy", "exponential", "geometric", "log_normal", "norm
           "nn.functional.dropout2d", "nn.functional.dropout3d", "nn.functional.alpha_dropout",
           "nn.functional.feature_alpha_dropout.with_train", "nn.functional.rrelu",
           "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
-          "svd_lowrank", "pca_lowrank",
-          # its second sample has training=True, dropout_p=0.5 (dtorch does not see the dropout
-          # inside and runs it on every rank: to be refused, like F.dropout in training)
-          "nn.functional.multi_head_attention_forward"}
+          "svd_lowrank", "pca_lowrank"}
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "ops.md"
 START, END = "<!-- op_db:start -->", "<!-- op_db:end -->"
 

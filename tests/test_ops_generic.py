@@ -168,7 +168,7 @@ def test_plain_tensors_beside_replicated_inputs_are_constants(mesh1d):
 
 def test_sparse_tensors_are_refused_clearly_and_nothing_breaks(mesh1d):
     x = torch.randn(4, 5)
-    with pytest.raises(TypeError, match="dense tensors.*to_dense"):
+    with pytest.raises(UnsupportedOpError, match="dense tensors.*to_dense"):
         dtorch.distribute_tensor(torch.eye(4).to_sparse_csr(), mesh1d, [R])
     with pytest.raises(UnsupportedOpError, match="sparse_coo tensor; DTensors are dense"):
         dt(x, mesh1d, [R]).to_sparse()

@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .. import comm_debug
-from ..errors import DTorchError, PlacementError
+from ..errors import MixedTensorError, PlacementError, UnsupportedOpError
 from ..runtime import messages as m
 from ..runtime import session
 from ..tensor import DTensor, make_spec
@@ -32,10 +32,6 @@ _CACHE_MAX = 50_000
 _NOCACHE = object()
 _new_tuple = tuple.__new__
 _Ref, _Call = m.Ref, m.Call
-
-
-class UnsupportedOpError(DTorchError, NotImplementedError):
-    """A torch function with no placement rule was called on DTensors."""
 
 
 class Plan(NamedTuple):
@@ -403,9 +399,11 @@ def _cpu_error(fn, targs, tkwargs, limit: int = 1 << 20, fill=torch.zeros):
 
 def _reject_plain_tensors(obj) -> None:
     if isinstance(obj, torch.Tensor) and obj.dim() != 0:
-        raise TypeError(f"a plain torch.Tensor of shape {tuple(obj.shape)} was mixed with "
-                        f"DTensors; make it a DTensor first: dtorch.tensor(t, device_mesh=mesh, "
-                        f"placements=[...]) (0-dim tensors are fine as scalars)")
+        raise MixedTensorError(
+            f"a plain torch.Tensor of shape {tuple(obj.shape)} was mixed with sharded "
+            f"DTensors; make it a DTensor first: dtorch.tensor(t, device_mesh=mesh, "
+            f"placements=[...]) (0-dim tensors are fine as scalars; beside all-Replicate "
+            f"DTensors a plain tensor is a constant)")
     if type(obj) in (list, tuple):
         for x in obj:
             _reject_plain_tensors(x)

@@ -38,7 +38,7 @@ _ALWAYS_RANDOM = [
     F.fractional_max_pool3d, torch.Tensor.bernoulli, torch.Tensor.bernoulli_,
     torch.Tensor.normal_, torch.Tensor.multinomial, torch.Tensor.uniform_,
     torch.Tensor.random_, torch.Tensor.exponential_, torch.Tensor.geometric_,
-    torch.Tensor.log_normal_, torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_, torch.Tensor.cauchy_, torch.svd_lowrank, torch.pca_lowrank,
     getattr(F, "fractional_max_pool2d_with_indices", None),
     getattr(F, "fractional_max_pool3d_with_indices", None)]
 _RANDOM_WHEN_TRAINING = {F.rrelu: 3, torch.rrelu: 3, F.dropout: 2, F.alpha_dropout: 2,
