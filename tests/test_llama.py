@@ -14,7 +14,10 @@ transformers = pytest.importorskip("transformers")
 CONFIG = dict(vocab_size=101, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
               intermediate_size=176, num_hidden_layers=5, eos_token_id=None)
 MESHES_4 = [((4,), ("tp",)), ((2, 2), ("dp", "tp")), ((2, 2), ("pp", "tp")),
-            ((2, 2), ("dp", "pp")), ((4,), ("pp",)), ((4,), ("dp",))]
+            ((2, 2), ("dp", "pp")), ((4,), ("pp",)), ((4,), ("dp",)),
+            ((2, 2), ("tp", "ring_cp")), ((2, 2), ("dp", "ulysses_cp")),
+            ((2, 2), ("ulysses_cp", "ring_cp")), ((4,), ("ring_cp",)), ((2, 2), ("pp", "ring_cp")),
+            ((2, 2), ("ulysess_cp", "tp"))]
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +38,19 @@ def hf_logits(model, ids):
 
 
 def expected_counts(names, layers=5):
+    """Per forward: tp gathers the embedding and the logits and all-reduces o_proj and
+    down_proj; pp moves between stages; Ulysses is 4 all_to_alls per attention (q, k, v in,
+    the output back); the ring shifts K/V cp - 1 times per attention."""
+    sizes = dict(zip(names, MESH_SHAPES[names]))
     counts = {}
-    if "tp" in names:  # embedding + head gathers, o_proj and down_proj all_reduces
+    if "tp" in names:
         counts.update(all_gather=2, all_reduce=2 * layers)
     if "pp" in names:
-        stages = dict(zip(names, MESH_SHAPES[names]))["pp"]
-        counts["send_recv"] = stages - 1
+        counts["send_recv"] = sizes["pp"] - 1
+    if "ulysses_cp" in names or "ulysess_cp" in names:
+        counts["all_to_all"] = 4 * layers
+    if "ring_cp" in names:
+        counts["send_recv"] = counts.get("send_recv", 0) + (sizes["ring_cp"] - 1) * layers
     return counts
 
 
@@ -59,7 +69,9 @@ def test_logits_match_transformers(live, hf_model, tokens, shape, names):
     assert torch.allclose(logits.to_torch(), hf_logits(hf_model, tokens), atol=1e-4)
 
 
-@pytest.mark.parametrize("shape, names", [((2, 2), ("pp", "tp")), ((4,), ("tp",))])
+@pytest.mark.parametrize("shape, names", [((2, 2), ("pp", "tp")), ((4,), ("tp",)),
+                                          ((2, 2), ("ulysses_cp", "ring_cp")),
+                                          ((2, 2), ("tp", "ring_cp"))])
 def test_greedy_generate_matches_transformers(live, hf_model, tokens, shape, names):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
@@ -113,7 +125,10 @@ def test_heads_that_do_not_split_over_tp_raise(live):
         LlamaForCausalLM({**CONFIG, "hidden_act": "gelu"}, device_mesh=mesh)
 
 
-MESHES_8 = [((2, 2, 2), ("dp", "tp", "pp")), ((2, 2, 2), ("pp", "tp", "dp"))]
+MESHES_8 = [((2, 2, 2), ("dp", "tp", "pp")), ((2, 2, 2), ("pp", "tp", "dp")),
+            ((2, 2, 2), ("tp", "pp", "ring_cp"))]
+COUNTS_8 = {"dp": {"all_gather": 2, "all_reduce": 10, "send_recv": 1},
+            "ring_cp": {"all_gather": 2, "all_reduce": 10, "send_recv": 1 + 5}}
 
 
 @pytest.mark.timeout(400)
@@ -125,7 +140,7 @@ def test_three_d_meshes_on_eight_ranks(other_cluster, hf_model, tokens):
         model.load_state_dict(hf_model.state_dict())
         with dtorch.CommDebugMode() as mode:
             logits = model(tokens)
-        assert mode.get_comm_counts() == {"all_gather": 2, "all_reduce": 10, "send_recv": 1}
+        assert mode.get_comm_counts() == COUNTS_8[names[-1] if "ring_cp" in names else "dp"]
         assert torch.allclose(logits.to_torch(), hf_logits(hf_model, tokens), atol=1e-4)
     assert torch.equal(model.generate(tokens, 4),
                        hf_model.generate(tokens, max_new_tokens=4, do_sample=False))
