@@ -53,27 +53,40 @@ COLLECTIVES = {  # what the preset's own input/output conversion costs on tp
 }
 
 
+MESHES = {"tp4": ((4,), ("tp",)), "dp2xtp2": ((2, 2), ("dp", "tp")),
+          "pp2xtp2": ((2, 2), ("pp", "tp"))}
+
+
 @pytest.mark.parametrize("cls, shard_type, given, out_placement", PRESETS,
                          ids=[p[0].__name__ for p in PRESETS])
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_presets_match_torch(dp_tp, cls, shard_type, given, out_placement, bias):
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_linear_presets_match_torch(live, mesh_name, cls, shard_type, given, out_placement,
+                                    bias):
+    shape, names = MESHES[mesh_name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    if names[0] == "pp":  # a pipeline stage of the pp x tp mesh: a 1-D tp mesh of 2 ranks
+        mesh = mesh.unbind("pp")[1]
+    lead = [Shard(0)] if names[0] == "dp" else [R] * (mesh.ndim - 1)
     torch.manual_seed(1)
-    ref = torch.nn.Linear(11, 7, bias=bias)  # 11 and 7 features over tp=2: uneven shards
-    mod = cls(11, 7, bias=bias, device_mesh=dp_tp)
+    ref = torch.nn.Linear(11, 7, bias=bias)  # 11 and 7 features over tp=2 or 4: uneven
+    mod = cls(11, 7, bias=bias, device_mesh=mesh)
     assert [k for k, _ in mod.named_parameters()] == [k for k, _ in ref.named_parameters()]
     tp_w = {"col": Shard(0), "row": Shard(1), None: R}[shard_type if cls is not
                                                          nn.ReplicateParallelLinear else None]
-    assert mod.weight.placements == (R, tp_w)
+    others = (R,) * (mesh.ndim - 1)
+    assert mod.weight.placements == others + (tp_w,)
     if bias:
-        assert mod.bias.placements == (R, {"col": Shard(0), "row": Partial(), None: R}[
-            shard_type if cls is not nn.ReplicateParallelLinear else None])
+        assert mod.bias.placements == others + ({"col": Shard(0), "row": Partial(), None: R}[
+            shard_type if cls is not nn.ReplicateParallelLinear else None],)
     mod.load_state_dict(ref.state_dict())
     x = torch.randn(6, 11)
-    dx = dtorch.distribute_tensor(x, dp_tp, [Shard(0), given])
+    dx = dtorch.distribute_tensor(x, mesh, lead + [given])
     y, comms = counts(lambda: mod(dx))
     assert comms == COLLECTIVES.get(cls, {}), comms
     expected_out = Shard(1) if out_placement == Shard(-1) else out_placement
-    assert y.placements == (Shard(0), expected_out)
+    assert y.placements == tuple(lead) + (expected_out,)
+    assert y.device_mesh == mesh
     close(y, ref(x))
     for key, value in nn.full_state_dict(mod).items():
         assert torch.equal(value, ref.state_dict()[key])
