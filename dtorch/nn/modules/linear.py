@@ -129,7 +129,9 @@ class Linear(Module):
         return F.linear(input, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        tp = "" if self.tp_dim is None else f", tp_dim={self.tp_dim}, tp_shard_type=" \
+        names = self.device_mesh.mesh_dim_names
+        dim = names[self.tp_dim] if names and self.tp_dim is not None else self.tp_dim
+        tp = "" if self.tp_dim is None else f", tp_dim={dim!r}, tp_shard_type=" \
                                             f"{self.tp_shard_type!r}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}{tp}")
