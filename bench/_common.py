@@ -127,3 +127,71 @@ def now() -> str:
 
 def command() -> str:
     return " ".join([os.path.relpath(sys.executable)] + sys.argv)
+
+
+# rank-process settings (allocator, huge pages, threads) -----------------------------------------
+# The environment variables that decide how a rank process allocates memory and how many
+# threads its libraries start: glibc's malloc tunables, torch's huge-page switch, the BLAS/OpenMP
+# thread counts Dask's Nanny sets, and a preloaded allocator (jemalloc/tcmalloc) if any.
+RANK_ENV_PREFIXES = ("MALLOC_", "GLIBC_TUNABLES", "THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS",
+                     "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD")
+
+
+def rank_settings() -> dict:
+    """This process's allocator / huge-page / thread environment (keys of RANK_ENV_PREFIXES
+    that are set) plus the machine's transparent-huge-page mode, as ``{name: value}``."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(RANK_ENV_PREFIXES)}
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            env["(sys) transparent_hugepage"] = f.read().strip()
+    except OSError:
+        pass
+    return dict(sorted(env.items()))
+
+
+def dtorch_rank_settings() -> dict:
+    """``rank_settings()`` as seen inside each running dtorch rank process (one dict if they all
+    agree), plus the torch thread count dtorch gives each local rank."""
+    from dtorch.runtime import session
+    from dtorch.runtime.cluster import local_threads
+    c = session.get_controller()
+    got = list(c.client.run(rank_settings).values())
+    if any(g != got[0] for g in got):
+        raise RuntimeError(f"dtorch's rank processes differ: {got}")
+    return {**got[0], "(torch) threads per rank": str(local_threads(len(c.ranks)))}
+
+
+class spawn_env:
+    """``with spawn_env(settings): <spawn processes>``: this process's environment carries the
+    RANK_ENV_PREFIXES variables of ``settings`` (others of those unset) while the children
+    start, so they begin with the same allocator and huge-page settings; restored after."""
+
+    def __init__(self, settings: dict):
+        self.want = {k: v for k, v in settings.items() if k.startswith(RANK_ENV_PREFIXES)}
+
+    def __enter__(self):
+        self.before = {k: v for k, v in os.environ.items() if k.startswith(RANK_ENV_PREFIXES)}
+        for k in self.before:
+            os.environ.pop(k)
+        os.environ.update(self.want)
+        return self
+
+    def __exit__(self, *exc):
+        for k in self.want:
+            os.environ.pop(k, None)
+        os.environ.update(self.before)
+        return False
+
+
+def matrix_shape(nbytes: int, itemsize: int = 4) -> tuple[int, int]:
+    """A square-ish 2-D shape of ``nbytes`` (power-of-two sides, so they divide by 2, 4, 8 ...)."""
+    n = nbytes // itemsize
+    rows = 1 << ((n.bit_length() - 1) // 2)
+    return rows, n // rows
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, size in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n // size} {unit}"
+    return f"{n} B"

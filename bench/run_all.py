@@ -2,6 +2,10 @@
 
 - ``redistribute_vs_torch.py``: redistribute vs raw torch.distributed, same collective and
   bytes (target <= 1.15x for 16 MB and up)
+- ``redistribute_vs_dtensor.py``: every transition of the placement table at 1 KB - 64 MB vs
+  PyTorch's DTensor ``redistribute`` under SPMD (<= 1.0x from 1 MB), vs raw torch doing the
+  whole move on preallocated buffers (<= 1.15x from 16 MB), the bare collective as the floor;
+  the reference ranks get dtorch's rank allocator / huge-page / thread settings
 - ``to_torch_vs_dask.py``: ``to_torch()`` vs a Dask gather of the same shards (<= 1.2x)
 - ``startup.py``: cold start to the first value vs spawning 4 torch processes (<= 2x)
 - ``op_overhead.py``: controller cost per op and a 500-op chain / TP MLP forward vs PyTorch's
@@ -35,8 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _common import Row, command, machine, markdown, now, table  # noqa: E402
 
-BENCHES = ("redistribute_vs_torch.py", "to_torch_vs_dask.py", "startup.py", "op_overhead.py",
-           "tp_mlp_vs_dtensor.py", "pipeline.py")
+BENCHES = ("redistribute_vs_torch.py", "redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
+           "startup.py", "op_overhead.py", "tp_mlp_vs_dtensor.py", "pipeline.py")
 
 
 def main() -> int:

@@ -1,0 +1,441 @@
+"""redistribute() vs PyTorch's DTensor ``redistribute`` under SPMD, raw torch, and the collective.
+
+Every transition of the placement table (DESIGN.md section 2) on a 1-D mesh of 4 CPU ranks
+(gloo on 127.0.0.1), float32, a square-ish 2-D global tensor of 1 KB, 1 MB, 16 MB and 64 MB
+(``--quick``: 1 KB, 1 MB, 16 MB, fewer repeats):
+
+    Shard(0) -> Replicate   all_gather        Partial -> Replicate   all_reduce
+    Shard(0) -> Shard(1)    all_to_all        Partial -> Shard(0)    reduce_scatter
+    Replicate -> Shard(0)   local slice       Replicate -> Partial   none (zeros off rank 0)
+
+Three references, all in the same 4 spawned torch processes (``torch.multiprocessing``, gloo),
+timed inside the ranks between barriers, the slowest rank counting:
+
+- **PyTorch DTensor** (target: dtorch at most 1.0x for every row from 1 MB up):
+  ``DTensor.from_local(local, mesh, [src], shape=..., stride=...)`` then
+  ``x.redistribute(mesh, [dst])``, waiting on the result (``AsyncCollectiveTensor.wait()``),
+  the same shapes and placements. (On CPU, torch 2.13's DTensor does Shard(0)->Shard(1) as an
+  all_gather plus a chunk copy: gloo has no all_to_all in its eyes. Its public
+  ``redistribute`` refuses Replicate->Partial, "for internal use only": that row times the
+  path DTensor's own ops take, ``redistribute_local_tensor`` (the local tensor divided by the
+  world size) wrapped by ``DTensor.from_local``.)
+- **raw torch doing the whole move on preallocated buffers** (target: at most 1.15x from 16 MB):
+  the collective plus the local copy the move itself needs, into buffers allocated once:
+  all_gather_single; pack the column blocks + all_to_all_single; copy the input + all_reduce (a
+  redistribute is out of place); reduce_scatter_single; copy this rank's row block out
+  (Replicate->Shard(0)); fill zeros on ranks 1.. (Replicate->Partial).
+- **the bare collective** on preallocated buffers, the floor (none for the last two rows).
+
+dtorch is timed on the controller: issue N ``x.redistribute(placements=[dst])`` then
+``dtorch.synchronize()``, divided by N, after a warm-up (the batch hop and the final round trip
+are included, spread over N).
+
+The dtorch cluster starts first; its rank processes' allocator, huge-page and thread settings
+(``_common.dtorch_rank_settings``: glibc's malloc variables, ``THP_MEM_ALLOC_ENABLE``, the
+OpenMP/BLAS thread variables, the machine's THP mode, torch threads per rank) are read from
+inside them, and the reference processes are spawned with exactly those, then report their own
+(printed; the run stops if they differ). Both stay up for the whole run and take turns, one
+timed repeat each per case (references, then dtorch), so both see the same machine. Medians.
+
+    .venv/bin/python bench/redistribute_vs_dtensor.py [--quick]
+    .venv/bin/python bench/redistribute_vs_dtensor.py --where [--quick]   # where dtorch's time goes
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (Row, barrier_timed, dtorch_rank_settings, fmt_bytes, free_port,  # noqa: E402
+                     main, matrix_shape, median, rank_settings, rank_threads, spawn_env)
+
+WORLD = int(os.environ.get("BENCH_WORLD", 4))
+KB, MB = 1 << 10, 1 << 20
+# (label, source, target, the collective the move implies or None); placements by name
+MOVES = (("S(0)->R", "S0", "R", "all_gather"), ("S(0)->S(1)", "S0", "S1", "all_to_all"),
+         ("P->R", "P", "R", "all_reduce"), ("P->S(0)", "P", "S0", "reduce_scatter"),
+         ("R->S(0)", "R", "S0", None), ("R->P", "R", "P", None))
+VS_DTENSOR, VS_RAW = 1.0, 1.15  # targets
+DTENSOR_FROM, RAW_FROM = 1 * MB, 16 * MB  # ... for tensors of at least this many bytes
+
+
+def cases(quick: bool) -> list[tuple[tuple, int, int]]:
+    """(move, global bytes, ops per timed repeat: about 0.05-0.3 s each)."""
+    sizes = ({1 * KB: 40, 1 * MB: 10, 16 * MB: 3} if quick else
+             {1 * KB: 100, 1 * MB: 30, 16 * MB: 8, 64 * MB: 3})
+    # the local moves take a few ms: more of them per repeat, so that the one synchronize round
+    # trip per repeat weighs about as much as it does for the collectives
+    return [(move, size, n if move[3] else 4 * n) for size, n in sizes.items() for move in MOVES]
+
+
+def _local_shape(placement: str, rows: int, cols: int) -> tuple[int, int]:
+    return {"S0": (rows // WORLD, cols), "S1": (rows, cols // WORLD)}.get(placement, (rows, cols))
+
+
+# references: PyTorch DTensor, raw torch, bare collective (inside the spawned ranks) ---------------
+def _dtensor_op(move: tuple, nbytes: int, mesh):
+    """PyTorch DTensor's redistribute of this move; it finishes its work before it returns."""
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    _, src, dst, _ = move
+    rows, cols = matrix_shape(nbytes)
+    place = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+    x = DTensor.from_local(torch.ones(_local_shape(src, rows, cols)), mesh, [place[src]],
+                           run_check=False, shape=(rows, cols), stride=(cols, 1))
+    target = [place[dst]]
+    if dst == "P":  # DTensor.redistribute refuses "to Partial" ("for internal use only"):
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec  # take the path its ops use
+        from torch.distributed.tensor._redistribute import redistribute_local_tensor
+        spec = DTensorSpec(mesh, tuple(target), tensor_meta=x._spec.tensor_meta)
+
+        def dtensor():
+            DTensor.from_local(redistribute_local_tensor(x._local_tensor, x._spec, spec), mesh,
+                               target, run_check=False, shape=(rows, cols), stride=(cols, 1))
+        return dtensor
+
+    def dtensor():
+        y = x.redistribute(mesh, target).to_local()
+        if isinstance(y, AsyncCollectiveTensor):
+            y.wait()
+    return dtensor
+
+
+def _raw_ops(move: tuple, nbytes: int, rank: int):
+    """(raw torch's whole move on preallocated buffers, the bare collective or None), on the
+    default process group of WORLD ranks."""
+    import torch
+    import torch.distributed as dist
+    _, _, dst, coll = move
+    rows, cols = matrix_shape(nbytes)
+    # the entry points dtorch.runtime.collectives calls
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    elems, k = rows * cols, rows // WORLD
+    if coll == "all_gather":
+        inp, out = torch.ones(elems // WORLD), torch.empty(elems)
+        bare = lambda: gather(out, inp)  # noqa: E731
+        return bare, bare
+    if coll == "all_to_all":  # the column blocks are packed into one contiguous send buffer
+        local = torch.ones(k, cols)
+        inp, out = torch.empty(elems // WORLD), torch.empty(elems // WORLD)
+        blocks = local.view(k, WORLD, cols // WORLD).transpose(0, 1)
+
+        def whole():
+            inp.view(blocks.shape).copy_(blocks)
+            dist.all_to_all_single(out, inp)
+        return whole, lambda: dist.all_to_all_single(out, inp)
+    if coll == "all_reduce":  # out of place: the input stays as it was
+        inp, buf = torch.ones(elems), torch.empty(elems)
+
+        def whole():
+            buf.copy_(inp)
+            dist.all_reduce(buf)
+        return whole, lambda: dist.all_reduce(buf)
+    if coll == "reduce_scatter":
+        inp, out = torch.ones(elems), torch.empty(elems // WORLD)
+        bare = lambda: scatter(out, inp)  # noqa: E731
+        return bare, bare
+    full = torch.ones(rows, cols)
+    if dst == "S0":  # Replicate -> Shard(0): this rank's row block, as its own tensor
+        out = torch.empty(k, cols)
+        return lambda: out.copy_(full[rank * k:(rank + 1) * k]), None
+    buf = torch.empty(rows, cols)  # Replicate -> Partial(sum): rank 0 keeps it, zeros elsewhere
+    return ((lambda: None) if rank == 0 else buf.zero_), None
+
+
+def _reference_ops(move: tuple, nbytes: int, mesh, rank: int):
+    """(DTensor redistribute, raw torch's whole move on preallocated buffers, bare collective
+    or None). Every op finishes its work before it returns."""
+    return (_dtensor_op(move, nbytes, mesh), *_raw_ops(move, nbytes, rank))
+
+
+def _rank_main(rank: int, port: int, commands, results) -> None:
+    """One reference rank: times ``(move, bytes, n)`` commands until it reads None."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(rank_threads(WORLD))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=300))
+    mesh = init_device_mesh("cpu", (WORLD,))
+    mine = {**rank_settings(), "(torch) threads per rank": str(torch.get_num_threads())}
+    every = [None] * WORLD
+    dist.all_gather_object(every, mine)
+    if rank == 0:
+        results.put(every)
+    ops, current = None, None
+    while (cmd := commands[rank].get()) is not None:
+        move, nbytes, n = cmd
+        if current != (move, nbytes):
+            ops, current = None, None  # free the previous case's buffers first
+            ops, current = _reference_ops(move, nbytes, mesh, rank), (move, nbytes)
+            for op in ops:
+                if op is not None:
+                    op()  # warm-up
+        took = []
+        for i, op in enumerate(ops):  # an op that is also an earlier one is timed once
+            same = [j for j in range(i) if ops[j] is op]
+            took.append(-1.0 if op is None else took[same[0]] if same else barrier_timed(op, n))
+        slowest = torch.tensor(took, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            results.put(tuple(slowest.tolist()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class ReferenceRanks:
+    """WORLD plain torch processes, spawned with ``settings``, that time one case on command."""
+
+    def __init__(self, settings: dict):
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
+        self.results = ctx.Queue()
+        with spawn_env(settings):
+            self.procs = mp.start_processes(_rank_main, nprocs=WORLD, join=False,
+                                            args=(free_port(), self.commands, self.results),
+                                            start_method="spawn")
+        self.settings = self._get()  # each rank's rank_settings(), in rank order
+
+    def _get(self):
+        """The next result; raises if a reference rank died (instead of waiting forever)."""
+        import queue
+        while True:
+            try:
+                return self.results.get(timeout=2)
+            except queue.Empty:
+                self.procs.join(timeout=0)  # raises ProcessRaisedException if one failed
+
+    def time(self, move: tuple, nbytes: int, n: int) -> tuple[float, float, float | None]:
+        """Seconds per op: (DTensor, raw whole move, bare collective or None)."""
+        for q in self.commands:
+            q.put((move, nbytes, n))
+        dt, whole, bare = self._get()
+        return dt, whole, (bare if bare >= 0 else None)
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        while not self.procs.join():
+            pass
+
+
+# dtorch -------------------------------------------------------------------------------------------
+def time_dtorch(x, dst, n: int) -> float:
+    """Seconds per redistribute: n of them, then a synchronize."""
+    import dtorch
+    dtorch.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.redistribute(placements=[dst])
+    dtorch.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def _check_settings(ours: dict, theirs: list[dict]) -> None:
+    print("[redistribute_vs_dtensor] rank settings, dtorch's ranks and the reference ranks alike:")
+    for k, v in ours.items():
+        print(f"    {k}={v}")
+    if "MALLOC_TRIM_THRESHOLD_" not in ours:
+        print("    (no MALLOC_* variable: glibc's default, adaptive mmap threshold)")
+    for r, s in enumerate(theirs):
+        if s != ours:
+            raise RuntimeError(f"reference rank {r} runs with {s}, dtorch's ranks with {ours}")
+
+
+def measure(todo, repeats: int) -> dict:
+    """``{(label, bytes): (dtorch s, DTensor s, raw whole move s, bare collective s or None)}``."""
+    import dtorch
+    from dtorch import Partial, Replicate, Shard, init_device_mesh
+    place = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+    dtorch.init(n_workers=WORLD)
+    ref = None
+    out = {}
+    try:
+        settings = dtorch_rank_settings()
+        ref = ReferenceRanks(settings)
+        _check_settings(settings, ref.settings)
+        mesh = init_device_mesh("cpu", WORLD)
+        for move, nbytes, n in todo:
+            label, src, dst, _ = move
+            x = dtorch.ones(*matrix_shape(nbytes), device_mesh=mesh, placements=[place[src]])
+            x.redistribute(placements=[place[dst]])  # warm-up (the result is freed at once)
+            ours, refs = [], []
+            for _ in range(repeats):
+                refs.append(ref.time(move, nbytes, n))
+                ours.append(time_dtorch(x, place[dst], n))
+            dt, whole, bare = (median(r) if r[0] is not None else None for r in zip(*refs))
+            out[(label, nbytes)] = (median(ours), dt, whole, bare)
+            print(f"[redistribute_vs_dtensor] {label} {fmt_bytes(nbytes)}: dtorch "
+                  f"{median(ours) * 1e3:.2f} ms, DTensor {dt * 1e3:.2f} ms, raw move "
+                  f"{whole * 1e3:.2f} ms" + (f", bare {bare * 1e3:.2f} ms" if bare else ""),
+                  flush=True)
+            del x
+        dtorch.synchronize()
+    finally:
+        dtorch.shutdown()
+        if ref is not None:
+            ref.close()
+    return out
+
+
+def run(quick: bool = False) -> list[Row]:
+    todo = cases(quick)
+    print(f"[redistribute_vs_dtensor] {len(todo)} cases on {WORLD} ranks: dtorch, PyTorch "
+          f"DTensor (SPMD) and raw torch taking turns ...", flush=True)
+    got = measure(todo, 3 if quick else 7)
+    rows = []
+    for (label, _, _, coll), nbytes, n in todo:
+        ours, dt, whole, bare = got[(label, nbytes)]
+        name = f"redistribute {label} {fmt_bytes(nbytes)}"
+        floor = (f"floor: dtorch {ours / bare:.2f}x, DTensor {dt / bare:.2f}x the bare {coll}"
+                 if bare else "no collective")
+        rows.append(Row(f"{name} vs DTensor", ours, dt, VS_DTENSOR, floor + (
+            "" if nbytes >= DTENSOR_FROM else "; info only, target from 1 MB")))
+        rows.append(Row(f"{name} vs raw move", ours, whole, VS_RAW,
+                        "raw torch: the whole move on preallocated buffers" + (
+                            "" if nbytes >= RAW_FROM else "; info only, target from 16 MB")))
+    return rows
+
+
+# where the time goes (``--where``): timers inside dtorch's rank processes ----------------------
+def _install_timers() -> None:
+    """In a rank process: wrap the batch loop, each redistribute step, each torch.distributed
+    call dtorch's steps make and the wait on the poison flag beside, adding seconds to
+    ``collectives._bench_timers``; ``_flag_off`` can swap the flag beside for a no-op."""
+    import collections
+    from dtorch.runtime import collectives, interpreter, worker
+    if hasattr(collectives, "_bench_timers"):
+        return
+    timers = collectives._bench_timers = collections.Counter()
+
+    def timed(key, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timers[key] += time.perf_counter() - t0
+        return call
+
+    worker.RankActor._run_batch = timed("batch", worker.RankActor._run_batch)
+    interpreter.run_step = timed("step", interpreter.run_step)
+    counted = getattr(collectives, "_counted", None)
+    if counted is not None:
+        counted._fns = {k: timed("collective", f) for k, f in counted._fns.items()}
+    beside = collectives._FlagBeside
+    beside.__exit__ = timed("flag wait", beside.__exit__)
+    collectives._bench_flag = collectives._flag_beside
+
+
+class _NoFlag:
+    peer = None
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _flag_off(off: bool) -> None:
+    from dtorch.runtime import collectives
+    collectives._flag_beside = _NoFlag if off else collectives._bench_flag
+
+
+def _read_timers() -> dict:
+    from dtorch.runtime import collectives
+    got = dict(collectives._bench_timers)
+    collectives._bench_timers.clear()
+    return got
+
+
+def _in_worker(move: tuple, nbytes: int, n: int) -> tuple:
+    """In a rank process (Dask's event-loop thread, the interpreter idle): raw torch's whole
+    move and the bare collective on preallocated buffers, timed like the reference ranks."""
+    import torch.distributed as dist
+    ops = _raw_ops(move, nbytes, dist.get_rank())
+    for op in ops:
+        if op is not None:
+            op()
+    return tuple(barrier_timed(op, n) if op is not None else -1.0 for op in ops)
+
+
+def where(quick: bool) -> None:
+    """Per move and size: dtorch's time per op on the controller, split into what the ranks
+    spend (batch loop, redistribute step, the collective call, the flag wait) and the rest
+    (controller issue, the Dask hop, the synchronize round trip), plus dtorch with the flag
+    beside swapped for a no-op, and raw torch on preallocated buffers inside the same rank
+    processes. Slowest rank per number; medians of 5 repeats."""
+    import dtorch
+    from dtorch import Partial, Replicate, Shard, init_device_mesh
+    from dtorch.runtime import session
+    place = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+    dtorch.init(n_workers=WORLD)
+    try:
+        client = session.get_controller().client
+        print("[where] rank settings:", dtorch_rank_settings(), flush=True)
+        client.run(_install_timers)
+        mesh = init_device_mesh("cpu", WORLD)
+        syncs = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            dtorch.synchronize()
+            syncs.append(time.perf_counter() - t0)
+        print(f"[where] an empty synchronize(): {median(syncs) * 1e3:.2f} ms", flush=True)
+        sizes = (1 * MB, 16 * MB) if quick else (1 * MB, 16 * MB, 64 * MB)
+        for nbytes in sizes:
+            n = {1 * MB: 30, 16 * MB: 8, 64 * MB: 3}[nbytes]
+            for move in MOVES:
+                label, src, dst, coll = move
+                n_move = n if coll else 4 * n
+                x = dtorch.ones(*matrix_shape(nbytes), device_mesh=mesh, placements=[place[src]])
+                x.redistribute(placements=[place[dst]])
+                got = {}
+                for off in (False, True):
+                    client.run(_flag_off, off)
+                    ctrl, ranks = [], []
+                    for _ in range(5):
+                        dtorch.synchronize()
+                        client.run(_read_timers)
+                        ctrl.append(time_dtorch(x, place[dst], n_move))
+                        per_rank = client.run(_read_timers).values()
+                        keys = {k for d in per_rank for k in d}
+                        ranks.append({k: max(d.get(k, 0.0) for d in per_rank) / n_move
+                                      for k in keys})
+                    keys = {k for d in ranks for k in d}
+                    got[off] = (median(ctrl), {k: median([d.get(k, 0.0) for d in ranks])
+                                               for k in keys})
+                client.run(_flag_off, False)
+                reps = [[max(v) for v in zip(*client.run(_in_worker, move, nbytes,
+                                                          n_move).values())] for _ in range(3)]
+                raw = [median(v) for v in zip(*reps)]  # (whole move, bare or -1), slowest rank
+                (c, t), (c_off, _) = got[False], got[True]
+                ms = lambda v: f"{v * 1e3:.2f}"  # noqa: E731
+                print(f"[where] {label} {fmt_bytes(nbytes)}: controller-timed {ms(c)} ms/op; "
+                      f"in the ranks: batch {ms(t.get('batch', 0))}, step {ms(t.get('step', 0))}"
+                      f", collective call {ms(t.get('collective', 0))}, flag wait "
+                      f"{ms(t.get('flag wait', 0))}; outside the ranks' batches "
+                      f"{ms(c - t.get('batch', 0))}; flag beside off: {ms(c_off)} ms/op; raw in "
+                      f"the rank process: whole move {ms(raw[0])}"
+                      + (f", bare {ms(raw[1])}" if raw[1] >= 0 else ""), flush=True)
+                del x
+    finally:
+        dtorch.shutdown()
+
+
+if __name__ == "__main__":
+    if "--where" in sys.argv:
+        where("--quick" in sys.argv)
+    else:
+        main(run, __doc__)
