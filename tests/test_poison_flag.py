@@ -3,7 +3,7 @@ peers' results through all_gather, all_to_all, all_reduce, reduce_scatter and se
 change of placement is one torch.distributed collective on each rank (the workers' own counts,
 ``rank_stats()['dist_calls']``), on the real 4-rank cluster.
 
-Chunks above ``EMBED_MAX`` per rank (1 MiB) keep their zero-copy layouts for all_gather and
+Chunks of ``EMBED_MAX`` bytes per rank (64 KiB) or more keep their zero-copy layouts for all_gather and
 all_to_all and run the flag as a separate all_reduce beside the collective instead: the rows
 below say so."""
 
@@ -16,7 +16,7 @@ from dtorch import DeviceMesh, Partial, Replicate, Shard
 from dtorch.runtime.collectives import EMBED_MAX
 
 R = Replicate()
-SMALL, LARGE = 8, EMBED_MAX // 4 * 5  # features: a few bytes per rank, or 5 MiB per rank
+SMALL, LARGE = 8, EMBED_MAX // 4 * 5  # features: a few bytes per rank, or 5 x EMBED_MAX
 MOVES = [  # (source placements, target placements, collective)
     ([Shard(0)], [R], "all_gather"),
     ([Shard(0)], [Shard(1)], "all_to_all"),
