@@ -1,0 +1,563 @@
+"""Llama forward on 4 ranks: dtorch vs PyTorch's DTensor (``parallelize_module``, SPMD); and CP.
+
+A small random Llama built locally from a ``transformers.LlamaConfig`` (nothing downloaded):
+hidden 256, 8 heads, 4 kv heads, intermediate 688, 4 layers, vocab 1000, float32, the same
+``torch.manual_seed(0)`` weights everywhere; sequence 128, batch 1 and 4.
+
+**tp4 and pp2 x tp2 vs PyTorch's DTensor** (target: dtorch at most 1.0x end to end):
+
+- dtorch: ``dtorch.models.LlamaForCausalLM(config, device_mesh=...)`` on ``("tp",)`` 4 and
+  ``("pp", "tp")`` 2 x 2, ``load_state_dict(hf.state_dict())``; the input ids a torch tensor.
+- reference: the same ``transformers.LlamaForCausalLM`` in each of 4 spawned processes (gloo on
+  127.0.0.1, the dtorch ranks' allocator / huge-page / thread settings, checked), parallelized
+  with ``torch.distributed.tensor.parallel.parallelize_module``: ColwiseParallel for
+  q/k/v/gate/up, RowwiseParallel for o/down, the embedding ColwiseParallel (feature dim) with a
+  Replicate output and lm_head ColwiseParallel with a Replicate output (logits gathered), as
+  dtorch does: 2 all_gathers + 2 all_reduces per layer. pp2 x tp2: two stages of 2 ranks
+  (ranks 0, 1: embedding + layers 0-1; ranks 2, 3: layers 2-3, norm, lm_head), each stage the
+  model with the other stage's layers removed, tp over the stage's 2 ranks, the hidden states
+  sent from rank r to rank r + 2 with ``torch.distributed.send``/``recv`` (not
+  ``torch.distributed.pipelining``: one micro-batch, so a schedule adds nothing).
+- end to end, one forward: from issuing it to having the logits. dtorch:
+  ``model(ids).to_torch()`` on the controller; reference: the forward + ``dist.barrier()``
+  inside the ranks, the slowest rank. Information rows: dtorch issuing ``CHAIN`` forwards back
+  to back, then one ``synchronize()`` (the controller runs ahead of the ranks), per forward.
+- where the time goes (printed and in the notes): dtorch's controller issue time per forward,
+  an empty round trip (``synchronize()``), reading finished logits (``to_torch()``), the
+  instructions and collectives each rank runs per forward; the reference's per-forward time
+  with its collectives (the DTensor hooks) and, on the same ranks, the local math alone (one
+  rank's shard of every matmul, attention, norms in plain torch, no collectives).
+
+The logits of both sides are checked against transformers' on one process (allclose, 1e-4)
+before timing. Both sides stay up and take turns, one timed repeat each; medians. The
+reference runs under ``torch.no_grad()``: under ``torch.inference_mode()`` torch 2.13's DTensor
+misses its sharding cache and decomposes by exception on every linear (about 2x slower).
+
+**CP at sequence 4096** (dtorch only: PyTorch's ``context_parallel`` needs CUDA SDPA
+backends): the same Llama with 2 layers, batch 1, on ``("ring_cp",)`` 4, ``("ulysses_cp",)``
+4 and no CP (``("replicate",)`` 4: a dim name the model does not use, every rank computes the
+whole sequence). Per mesh: one forward + ``synchronize()`` (taking turns), the logits checked
+against transformers' (1e-4), and each rank process's peak RSS during one forward (Linux
+``/proc/self/clear_refs`` = 5 resets ``VmHWM`` after a ``gc.collect`` + ``malloc_trim``, the
+peak read after the forward; "added" = peak - RSS at the reset) plus
+``rank_stats()["composite_peak_bytes"]`` (the K/V blocks a rank held at once in the ring).
+
+    .venv/bin/python bench/llama_vs_dtensor.py [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (Row, dtorch_rank_settings, fmt_s, free_port, main, median,  # noqa: E402
+                     rank_settings, rank_threads, spawn_env)
+
+WORLD = 4
+CONFIG = dict(vocab_size=1000, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
+              intermediate_size=688, num_hidden_layers=4, eos_token_id=None,
+              bos_token_id=None, pad_token_id=None)
+SEQ, BATCHES = 128, (1, 4)
+LAYOUTS = {"tp4": ((4,), ("tp",)), "pp2 x tp2": ((2, 2), ("pp", "tp"))}
+CP_LAYERS, CP_SEQ = 2, 4096
+CP_MESHES = {"ring_cp 4": ("ring_cp",), "ulysses_cp 4": ("ulysses_cp",),
+             "no CP (replicate 4)": ("replicate",)}
+CHAIN = 8  # dtorch's back-to-back forwards
+REF_N = 5  # reference forwards per timed repeat
+TARGET = 1.0
+TAG = "[llama_vs_dtensor]"
+
+
+def hf_config(**over):
+    import transformers
+    return transformers.LlamaConfig(**{**CONFIG, **over})
+
+
+def hf_model(**over):
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(hf_config(**over)).eval()
+
+
+def token_ids(batch: int, seq: int = SEQ):
+    import torch
+    return torch.randint(0, CONFIG["vocab_size"], (batch, seq),
+                         generator=torch.Generator().manual_seed(batch * 7 + seq))
+
+
+# reference: transformers' Llama + parallelize_module, SPMD ----------------------------------------
+def tp_plan(model, layers: range) -> dict:
+    """parallelize_module's plan: dtorch's layout (column q/k/v/gate/up, row o/down, the
+    embedding on its feature dim and lm_head on the vocabulary, both gathered)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    plan = {}
+    for i in layers:
+        p = f"model.layers.{i}."
+        plan.update({p + "self_attn.q_proj": ColwiseParallel(),
+                     p + "self_attn.k_proj": ColwiseParallel(),
+                     p + "self_attn.v_proj": ColwiseParallel(),
+                     p + "self_attn.o_proj": RowwiseParallel(),
+                     p + "mlp.gate_proj": ColwiseParallel(), p + "mlp.up_proj": ColwiseParallel(),
+                     p + "mlp.down_proj": RowwiseParallel()})
+    if not isinstance(model.model.embed_tokens, _Unused):
+        plan["model.embed_tokens"] = ColwiseParallel(output_layouts=Replicate())
+    if not isinstance(model.lm_head, _Unused):
+        plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+class _Unused:
+    """Marks a module a pipeline stage does not hold (replaced by nn.Identity)."""
+
+
+def _identity():
+    import torch
+
+    class Identity(torch.nn.Identity, _Unused):
+        pass
+    return Identity()
+
+
+def stage_model(stage: int | None):
+    """The whole model (stage None) or pipeline stage 0 / 1 of 2 (the other's layers removed;
+    stage 0 returns hidden states in ``.logits``, stage 1 takes ``inputs_embeds``)."""
+    import torch
+    model = hf_model()
+    half = CONFIG["num_hidden_layers"] // 2
+    if stage == 0:
+        model.model.layers = torch.nn.ModuleList(model.model.layers[:half])
+        model.model.norm, model.lm_head = _identity(), _identity()
+    elif stage == 1:
+        model.model.layers = torch.nn.ModuleList(model.model.layers[half:])
+        model.model.embed_tokens = _identity()
+    return model
+
+
+def _reference_forwards(rank: int):
+    """``{layout: forward(ids) -> logits or None}`` on this rank, each finished on return."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    tp = stage_model(None)
+    parallelize_module(tp, init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
+                       tp_plan(tp, range(CONFIG["num_hidden_layers"])))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    stage = rank // 2
+    pp = stage_model(stage)
+    parallelize_module(pp, mesh["tp"], tp_plan(pp, range(len(pp.model.layers))))
+
+    def forward_tp(ids):
+        return tp(ids, use_cache=False).logits
+
+    def forward_pp(ids):
+        if stage == 0:
+            h = pp(ids, use_cache=False).logits
+            dist.send(h.contiguous(), rank + 2)
+            return None
+        h = torch.empty(*ids.shape, CONFIG["hidden_size"])
+        dist.recv(h, rank - 2)
+        return pp(inputs_embeds=h, use_cache=False).logits
+    return {"tp4": forward_tp, "pp2 x tp2": forward_pp}
+
+
+def _local_math(layout: str, rank: int):
+    """One rank's share of the forward in plain torch, no collectives: the model with every
+    projection cut to this rank's shard (heads / intermediate / vocab / embedding features
+    divided by tp), run on the stage's layers. Returns ``fn(ids)``."""
+    import torch
+    tp = 4 if layout == "tp4" else 2
+    over = dict(num_attention_heads=CONFIG["num_attention_heads"] // tp,
+                num_key_value_heads=CONFIG["num_key_value_heads"] // tp,
+                intermediate_size=CONFIG["intermediate_size"] // tp,
+                vocab_size=CONFIG["vocab_size"] // tp,
+                head_dim=CONFIG["hidden_size"] // CONFIG["num_attention_heads"])
+    if layout != "tp4":
+        over["num_hidden_layers"] = CONFIG["num_hidden_layers"] // 2
+    torch.manual_seed(rank)
+    import transformers
+    small = transformers.LlamaForCausalLM(hf_config(**over)).eval()
+    embed = torch.nn.Embedding(CONFIG["vocab_size"], CONFIG["hidden_size"] // tp)
+
+    def fn(ids):  # o/down/lm_head see a hidden-sized input: the row shard's output size
+        h = embed(ids)
+        h = torch.cat([h] * tp, dim=-1)  # the all_gather's copy, no collective
+        return small(inputs_embeds=h, use_cache=False).logits
+    return fn
+
+
+def _rank_main(rank: int, port: int, commands, results) -> None:
+    """One reference rank: reports settings and first logits, then times commands."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(rank_threads(WORLD))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=300))
+    every = [None] * WORLD
+    dist.all_gather_object(every, {**rank_settings(),
+                                   "(torch) threads per rank": str(torch.get_num_threads())})
+    if rank == 0:
+        results.put(("settings", every))
+    forwards = _reference_forwards(rank)
+    ids = {b: token_ids(b) for b in BATCHES}
+    local = {name: _local_math(name, rank) for name in LAYOUTS}
+    with torch.no_grad():  # not inference_mode: DTensor then takes its slow path every op
+        for name, fwd in forwards.items():
+            for b in BATCHES:
+                out = fwd(ids[b])  # warm-up, and the logits for the check
+                local[name](ids[b])
+                if rank == {"tp4": 0, "pp2 x tp2": 2}[name]:
+                    results.put(("logits", (name, b, out.clone())))
+        dist.barrier()
+        if rank == 0:
+            results.put(("ready", None))
+        while (cmd := commands[rank].get()) is not None:
+            name, b, n = cmd
+            took = torch.tensor([_per_forward(lambda: forwards[name](ids[b]), n),
+                                 _per_forward(lambda: local[name](ids[b]), n, barrier=False)],
+                                dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                results.put(("time", tuple(took.tolist())))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _per_forward(fn, n: int, barrier: bool = True) -> float:
+    """Seconds per ``fn() + barrier`` (the end of a forward on every rank), n of them."""
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+        if barrier:
+            dist.barrier()
+    if not barrier:
+        dist.barrier()
+    return (time.perf_counter() - t0) / n
+
+
+class ReferenceRanks:
+    """4 torch processes with the parallelized transformers Llama, timing on command."""
+
+    def __init__(self, settings: dict):
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
+        self.results = ctx.Queue()
+        with spawn_env(settings):
+            self.procs = mp.start_processes(_rank_main, nprocs=WORLD, join=False,
+                                            args=(free_port(), self.commands, self.results),
+                                            start_method="spawn")
+        self.logits, ready = {}, False
+        while not ready or len(self.logits) < len(LAYOUTS) * len(BATCHES):
+            kind, value = self._get()  # rank 2's logits may come after rank 0's "ready"
+            if kind == "settings":
+                self.settings = value
+            elif kind == "logits":
+                self.logits[value[:2]] = value[2]
+            ready = ready or kind == "ready"
+
+    def _get(self):
+        """The next result; raises if a reference rank died (instead of waiting forever)."""
+        import queue
+        while True:
+            try:
+                return self.results.get(timeout=2)
+            except queue.Empty:
+                self.procs.join(timeout=0)  # raises ProcessRaisedException if one failed
+
+    def time(self, name: str, batch: int, n: int) -> tuple[float, float]:
+        """Seconds per forward: (DTensor forward + barrier, local math alone), slowest rank."""
+        for q in self.commands:
+            q.put((name, batch, n))
+        kind, value = self._get()
+        assert kind == "time", kind
+        return value
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        while not self.procs.join():
+            pass
+
+
+# dtorch -------------------------------------------------------------------------------------------
+def dtorch_model(shape, names, hf):
+    from dtorch import init_device_mesh
+    from dtorch.models import LlamaForCausalLM
+    model = LlamaForCausalLM(hf.config, device_mesh=init_device_mesh("cpu", shape,
+                                                                     mesh_dim_names=names))
+    model.load_state_dict(hf.state_dict())
+    return model
+
+
+def time_dtorch(model, ids) -> dict:
+    """One forward to the logits, its parts, and a chain of CHAIN forwards (seconds)."""
+    import dtorch
+    from dtorch.runtime import session
+    c = session.get_controller()
+    dtorch.synchronize()
+    t0 = time.perf_counter()
+    logits = model(ids)
+    c.flush()
+    t1 = time.perf_counter()
+    logits.to_torch()
+    t2 = time.perf_counter()
+    logits.to_torch()  # reading finished logits again: the round trip + transfer alone
+    t3 = time.perf_counter()
+    dtorch.synchronize()
+    t4 = time.perf_counter()
+    dtorch.synchronize()  # an empty round trip
+    t5 = time.perf_counter()
+    for _ in range(CHAIN):
+        del logits
+        logits = model(ids)
+    dtorch.synchronize()
+    t6 = time.perf_counter()
+    return {"one": t2 - t0, "issue": t1 - t0, "read": t3 - t2, "sync": t5 - t4,
+            "chain": (t6 - t5) / CHAIN}
+
+
+def per_forward_counts(model, ids) -> tuple[float, dict]:
+    """(instructions each rank runs per forward, collective counts per forward)."""
+    import dtorch
+    dtorch.synchronize()
+    before = sum(s["instructions"] for s in dtorch.rank_stats())
+    with dtorch.CommDebugMode() as mode:
+        model(ids)
+        dtorch.synchronize()
+    after = sum(s["instructions"] for s in dtorch.rank_stats())
+    return (after - before) / WORLD, mode.get_comm_counts()
+
+
+def _check_settings(ours: dict, theirs: list[dict]) -> None:
+    for r, s in enumerate(theirs):
+        if s != ours:
+            raise RuntimeError(f"reference rank {r} runs with {s}, dtorch's ranks with {ours}")
+    print(f"{TAG} rank settings (dtorch's ranks and the reference ranks alike): "
+          + ", ".join(f"{k}={v}" for k, v in ours.items()), flush=True)
+
+
+def measure_vs_dtensor(repeats: int) -> dict:
+    """``{(layout, batch): {name: seconds or value}}``."""
+    import torch
+
+    import dtorch
+    hf = hf_model()
+    dtorch.init(n_workers=WORLD)
+    ref, out = None, {}
+    try:
+        settings = dtorch_rank_settings()
+        ref = ReferenceRanks(settings)
+        _check_settings(settings, ref.settings)
+        models = {name: dtorch_model(*LAYOUTS[name], hf) for name in LAYOUTS}
+        for b in BATCHES:
+            ids = token_ids(b)
+            with torch.no_grad():
+                want = hf(ids).logits
+            for name, model in models.items():
+                got = model(ids).to_torch()
+                for who, value in (("dtorch", got), ("DTensor", ref.logits[(name, b)])):
+                    err = (value - want).abs().max().item()
+                    assert torch.allclose(value, want, atol=1e-4), (name, b, who, err)
+                instr, counts = per_forward_counts(model, ids)
+                runs = {}
+                for _ in range(repeats):
+                    for k, v in zip(("ref", "ref_local"), ref.time(name, b, REF_N)):
+                        runs.setdefault(k, []).append(v)
+                    for k, v in time_dtorch(model, ids).items():
+                        runs.setdefault(k, []).append(v)
+                r = out[(name, b)] = {k: median(v) for k, v in runs.items()}
+                r.update(instr=instr, counts=counts)
+                print(f"{TAG} {name} batch {b}: dtorch {fmt_s(r['one']).strip()} "
+                      f"(chain {fmt_s(r['chain']).strip()}/forward, controller issue "
+                      f"{fmt_s(r['issue']).strip()}, read {fmt_s(r['read']).strip()}, round "
+                      f"trip {fmt_s(r['sync']).strip()}), DTensor {fmt_s(r['ref']).strip()} "
+                      f"(local math alone {fmt_s(r['ref_local']).strip()}); ratio "
+                      f"{r['one'] / r['ref']:.2f}; {instr:.0f} instructions/rank, {counts}",
+                      flush=True)
+    finally:
+        dtorch.shutdown()
+        if ref is not None:
+            ref.close()
+    return out
+
+
+# context parallel at sequence 4096 (dtorch only) --------------------------------------------------
+def _reset_peak() -> int:
+    """Inside a rank process: free what can be freed, reset VmHWM; returns VmRSS (bytes)."""
+    import ctypes
+    import gc
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _vm()["VmRSS"]
+
+
+def _vm() -> dict:
+    """Inside a rank process: VmRSS and VmHWM in bytes."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def rank_peaks(forward) -> list[tuple[int, int]]:
+    """Per rank (peak RSS during ``forward()``, peak - RSS at the reset), bytes."""
+    import dtorch
+    from dtorch.runtime import session
+    client = session.get_controller().client
+    rank_of = {addr: r for r, addr in dtorch.cluster_info()["workers"].items()}
+    dtorch.synchronize()
+    base = client.run(_reset_peak)
+    forward()
+    dtorch.synchronize()
+    peak = client.run(_vm)
+    return [(peak[a]["VmHWM"], peak[a]["VmHWM"] - base[a])
+            for a in sorted(peak, key=lambda a: rank_of[a])]
+
+
+def measure_cp(seq: int, repeats: int) -> dict:
+    """``{mesh label: {"s": seconds per forward, "peak": [...], "composite": [...]}}``."""
+    import torch
+
+    import dtorch
+    hf = hf_model(num_hidden_layers=CP_LAYERS)
+    ids = token_ids(1, seq)
+    with torch.no_grad():
+        want = hf(ids).logits
+    dtorch.init(n_workers=WORLD)
+    out = {}
+    try:
+        models = {k: dtorch_model((WORLD,), names, hf) for k, names in CP_MESHES.items()}
+        for label, model in models.items():
+            err = (model(ids).to_torch() - want).abs().max().item()
+            assert err < 1e-4, (label, err)
+            peaks = rank_peaks(lambda: model(ids))
+            out[label] = {"peak": peaks, "err": err, "s": [],
+                          "composite": [s["composite_peak_bytes"] for s in dtorch.rank_stats()]}
+        for _ in range(repeats):
+            for label, model in models.items():
+                dtorch.synchronize()
+                t0 = time.perf_counter()
+                model(ids)
+                dtorch.synchronize()
+                out[label]["s"].append(time.perf_counter() - t0)
+        for label, r in out.items():
+            r["s"] = median(r["s"])
+            mb = [f"{p / 2**20:.0f} (+{a / 2**20:.0f})" for p, a in r["peak"]]
+            print(f"{TAG} CP seq {seq}, {label}: {fmt_s(r['s']).strip()} per forward, peak RSS "
+                  f"per rank MB (added by the forward): {', '.join(mb)}; ring K/V peak per "
+                  f"rank {[c >> 10 for c in r['composite']]} KB; max |err| {r['err']:.1e}",
+                  flush=True)
+    finally:
+        dtorch.shutdown()
+    return out
+
+
+def attention_parts(seq: int) -> dict:
+    """Where a CP attention's time goes, one layer's kernel on this process (1 thread): the
+    no-CP fused causal SDPA over the whole sequence, a Ulysses rank's (a quarter of the heads)
+    and the ring's ``ring_step`` blocks on rank 0 (1 block, the rest skipped as future) and on
+    the last rank (all WORLD blocks). Seconds, best of 3."""
+    import torch
+    import torch.nn.functional as F
+
+    from dtorch.ops.cp_attention import ring_finish, ring_init, ring_step
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    heads, kv = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"]
+    e, n = CONFIG["hidden_size"] // heads, WORLD
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, seq, e, generator=g) for h in (heads, kv, kv))
+    block = seq // n
+
+    def ring(rank):
+        qq = q[:, :, rank * block:(rank + 1) * block]
+        acc = ring_init(qq, v)
+        for j in range(n):
+            sl = slice(j * block, (j + 1) * block)
+            acc = ring_step(qq, k[:, :, sl], v[:, :, sl], *acc, [(rank * block, block)],
+                            [(j * block, block)], None, None, True, e ** -0.5)
+        return ring_finish(*acc, q.dtype)
+
+    def best(fn):
+        fn()
+        return min(_timed(fn) for _ in range(3))
+    try:
+        return {"none": best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    enable_gqa=True)),
+                "ulysses": best(lambda: F.scaled_dot_product_attention(
+                    q[:, :heads // n], k[:, :kv // n], v[:, :kv // n], is_causal=True,
+                    enable_gqa=True)),
+                "ring first": best(lambda: ring(0)), "ring last": best(lambda: ring(n - 1))}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _mb(x: int) -> str:
+    return f"{x / 2**20:.0f} MB"
+
+
+def run(quick: bool = False) -> list[Row]:
+    print(f"{TAG} Llama {CONFIG['num_hidden_layers']} layers hidden {CONFIG['hidden_size']} seq "
+          f"{SEQ}, dtorch vs PyTorch DTensor parallelize_module (SPMD) on {WORLD} ranks, "
+          f"taking turns ...", flush=True)
+    got = measure_vs_dtensor(3 if quick else 9)
+    rows = []
+    for (name, b), r in got.items():
+        rows.append(Row(f"Llama {name} batch {b} forward, end to end", r["one"], r["ref"], TARGET,
+                        f"model(ids).to_torch() vs forward + barrier; dtorch: controller issue "
+                        f"{fmt_s(r['issue']).strip()}, read {fmt_s(r['read']).strip()}, round "
+                        f"trip {fmt_s(r['sync']).strip()}, {r['instr']:.0f} instructions/rank; "
+                        f"reference local math alone {fmt_s(r['ref_local']).strip()}"))
+        rows.append(Row(f"Llama {name} batch {b}, {CHAIN} forwards back to back", r["chain"],
+                        r["ref"], TARGET, "info: per forward, the controller runs ahead"))
+    seq = 1024 if quick else CP_SEQ
+    print(f"{TAG} CP: {CP_LAYERS} layers, batch 1, sequence {seq}, ring vs Ulysses vs none ...",
+          flush=True)
+    cp = measure_cp(seq, 2 if quick else 5)
+    parts = attention_parts(seq)
+    print(f"{TAG} one attention kernel, 1 thread, seq {seq}: no CP (fused SDPA) "
+          f"{fmt_s(parts['none']).strip()}, a Ulysses rank {fmt_s(parts['ulysses']).strip()}, "
+          f"a ring rank: first {fmt_s(parts['ring first']).strip()} (1 block), last "
+          f"{fmt_s(parts['ring last']).strip()} ({WORLD} blocks)", flush=True)
+    none = cp["no CP (replicate 4)"]
+    for label, r in cp.items():
+        if r is none:
+            continue
+        kernel = parts["ring last" if label.startswith("ring") else "ulysses"]
+        rows.append(Row(f"Llama CP seq {seq}, {label} vs no CP", r["s"], none["s"], TARGET,
+                        f"info, no target; slowest rank's attention kernel "
+                        f"{fmt_s(kernel).strip()} vs {fmt_s(parts['none']).strip()} (1 thread); "
+                        f"peak RSS/rank {_mb(max(p for p, _ in r['peak']))} (+"
+                        f"{_mb(max(a for _, a in r['peak']))} in the forward) vs "
+                        f"{_mb(max(p for p, _ in none['peak']))} (+"
+                        f"{_mb(max(a for _, a in none['peak']))}); ring K/V peak/rank "
+                        f"{max(r['composite']) >> 10} KB"))
+    return rows
+
+
+if __name__ == "__main__":
+    main(run, __doc__)
