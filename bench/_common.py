@@ -15,13 +15,18 @@ from typing import NamedTuple
 
 
 class Row(NamedTuple):
-    """One comparison: dtorch seconds vs reference seconds; ``target`` is the max ratio wanted."""
+    """One comparison: dtorch seconds vs reference seconds; ``target`` is the max ratio wanted.
+    ``unit`` "B" marks a row of bytes instead of seconds."""
 
     name: str
     dtorch_s: float
     ref_s: float
     target: float
     note: str = ""
+    unit: str = "s"
+
+    def shown(self, value: float) -> str:
+        return f"{value:9.0f} B " if self.unit == "B" else fmt_s(value)
 
     @property
     def ratio(self) -> float:
@@ -85,7 +90,7 @@ def table(rows: list[Row]) -> str:
              f"{'target':>7}  meets"]
     for r in rows:
         ok = "yes" if r.ratio <= r.target else "NO"
-        lines.append(f"{r.name:<{w}}  {fmt_s(r.dtorch_s)}  {fmt_s(r.ref_s)}  {r.ratio:6.2f}  "
+        lines.append(f"{r.name:<{w}}  {r.shown(r.dtorch_s)}  {r.shown(r.ref_s)}  {r.ratio:6.2f}  "
                      f"<={r.target:<5.2f}  {ok}" + (f"  ({r.note})" if r.note else ""))
     return "\n".join(lines)
 
@@ -95,7 +100,7 @@ def markdown(rows: list[Row]) -> str:
              "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         ok = "yes" if r.ratio <= r.target else "no"
-        lines.append(f"| {r.name} | {fmt_s(r.dtorch_s).strip()} | {fmt_s(r.ref_s).strip()} | "
+        lines.append(f"| {r.name} | {r.shown(r.dtorch_s).strip()} | {r.shown(r.ref_s).strip()} | "
                      f"{r.ratio:.2f}x | <= {r.target:.2f}x | {ok} | {r.note} |")
     return "\n".join(lines)
 

@@ -69,7 +69,7 @@ def run(quick: bool) -> list[Row]:
         rows.append(Row(f"controller time per op, {w} vs {WORLDS[0]} ranks (dry run)", t, base_t,
                         1.5, f"{t * 1e6:.1f} us vs {base_t * 1e6:.1f} us"))
         rows.append(Row(f"bytes a rank receives per op, {w} vs {WORLDS[0]} ranks", b, base_b,
-                        1.5, f"{b:.0f} B vs {base_b:.0f} B"))
+                        1.5, unit="B"))
     for w, (t, b) in results.items():
         print(f"  {w:5d} ranks: {t * 1e6:7.1f} us/op on the controller, {b:6.0f} B/op to the "
               f"busiest rank", flush=True)
