@@ -1,4 +1,5 @@
-"""Helpers shared by the bench scripts: a result row, medians, a free port, table printing.
+"""Helpers shared by the bench scripts: a result row, medians, a free port, table printing,
+the reference torch.distributed ranks and taking turns with dtorch.
 
 Not a benchmark itself; ``bench/run_all.py`` and each ``bench/<name>.py`` import it.
 """
@@ -200,3 +201,156 @@ def fmt_bytes(n: int) -> str:
         if n >= size:
             return f"{n // size} {unit}"
     return f"{n} B"
+
+
+# reference ranks: plain torch.distributed processes the dtorch benches compare with --------------
+def join_reference_group(rank: int, port: int, world: int) -> None:
+    """In a spawned reference rank: ``rank_threads(world)`` torch threads, then the default
+    process group of ``world`` ranks (gloo on 127.0.0.1:``port``, loopback interface)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(rank_threads(world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=300))
+
+
+def gathered_rank_settings(world: int) -> list[dict]:
+    """In a reference rank: every rank's ``rank_settings()`` plus its torch thread count (the
+    keys ``dtorch_rank_settings`` gives), in rank order, on every rank."""
+    import torch
+    import torch.distributed as dist
+    every = [None] * world
+    dist.all_gather_object(every, {**rank_settings(),
+                                   "(torch) threads per rank": str(torch.get_num_threads())})
+    return every
+
+
+def check_same_settings(ours: dict, theirs: list[dict]) -> None:
+    """Raises unless every reference rank's settings (``theirs``) are dtorch's ranks' (``ours``)."""
+    for r, s in enumerate(theirs):
+        if s != ours:
+            raise RuntimeError(f"reference rank {r} runs with {s}, dtorch's ranks with {ours}")
+
+
+def slowest_rank(seconds) -> tuple[float, ...]:
+    """In a reference rank: each of ``seconds`` maxed over all ranks (an all_reduce)."""
+    import torch
+    import torch.distributed as dist
+    took = torch.tensor(list(seconds), dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return tuple(took.tolist())
+
+
+def serve_timings(rank: int, commands, results, time_case) -> None:
+    """A reference rank's command loop: for each command from ``commands[rank]`` until None,
+    ``time_case(command)`` gives this rank's seconds and rank 0 puts the slowest rank's on
+    ``results``; then the rank leaves the process group."""
+    import torch.distributed as dist
+    while (cmd := commands[rank].get()) is not None:
+        took = slowest_rank(time_case(cmd))
+        if rank == 0:
+            results.put(took)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class ReferenceRanks:
+    """``world`` spawned processes running ``rank_main(rank, port, commands, results)``: one
+    command queue per rank, one results queue; spawned under ``spawn_env(settings)`` when
+    ``settings`` is given. A context manager: leaving it closes them."""
+
+    def __init__(self, rank_main, world: int, settings: dict | None = None):
+        import contextlib
+
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.commands = [ctx.SimpleQueue() for _ in range(world)]
+        self.results = ctx.Queue()
+        with spawn_env(settings) if settings is not None else contextlib.nullcontext():
+            self.procs = mp.start_processes(rank_main, nprocs=world, join=False,
+                                            args=(free_port(), self.commands, self.results),
+                                            start_method="spawn")
+
+    def get(self):
+        """The next result; raises if a reference rank died (instead of waiting forever)."""
+        import queue
+        while True:
+            try:
+                return self.results.get(timeout=2)
+            except queue.Empty:
+                self.procs.join(timeout=0)  # raises ProcessRaisedException if one failed
+
+    def ask(self, *command):
+        """Sends ``command`` to every rank; returns the result (rank 0's)."""
+        for q in self.commands:
+            q.put(command)
+        return self.get()
+
+    def close(self) -> None:
+        """Tells every rank to stop and waits for them."""
+        for q in self.commands:
+            q.put(None)
+        while not self.procs.join():
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def take_turns(repeats: int, *turns) -> dict:
+    """``repeats`` rounds of calling each of ``turns`` in order (one timed repeat each, so all
+    see the same machine); each returns ``{name: seconds}``. The median per name."""
+    runs = {}
+    for _ in range(repeats):
+        for turn in turns:
+            for k, v in turn().items():
+                runs.setdefault(k, []).append(v)
+    return {k: median(v) for k, v in runs.items()}
+
+
+class dtorch_cluster:
+    """``with dtorch_cluster(world):`` dtorch started on ``world`` local ranks, shut down after."""
+
+    def __init__(self, world: int):
+        self.world = world
+
+    def __enter__(self):
+        import dtorch
+        dtorch.init(n_workers=self.world)
+        return self
+
+    def __exit__(self, *exc):
+        import dtorch
+        dtorch.shutdown()
+        return False
+
+
+def time_redistribute(x, dst, n: int) -> float:
+    """dtorch seconds per ``x.redistribute(placements=[dst])``: n of them, then a synchronize
+    (timed on the controller, from a synchronized start)."""
+    import time
+
+    import dtorch
+    dtorch.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.redistribute(placements=[dst])
+    dtorch.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def redistribute_turns(repeats: int, ref_turn, mesh, nbytes: int, src, dst, n: int) -> dict:
+    """One redistribute case: dtorch ones of ``matrix_shape(nbytes)`` placed ``[src]`` on
+    ``mesh``, one warm-up redistribute to ``dst`` (its result freed at once), then
+    ``take_turns`` of ``ref_turn`` and dtorch's ``time_redistribute`` (key ``dtorch``)."""
+    import dtorch
+    x = dtorch.ones(*matrix_shape(nbytes), device_mesh=mesh, placements=[src])
+    x.redistribute(placements=[dst])
+    return take_turns(repeats, ref_turn, lambda: {"dtorch": time_redistribute(x, dst, n)})

@@ -52,8 +52,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (Row, dtorch_rank_settings, fmt_s, free_port, main, median,  # noqa: E402
-                     rank_settings, rank_threads, spawn_env)
+from _common import (ReferenceRanks, Row, check_same_settings, dtorch_cluster,  # noqa: E402
+                     dtorch_rank_settings, fmt_s, gathered_rank_settings, join_reference_group,
+                     main, median, serve_timings, take_turns)
 
 WORLD = 4
 CONFIG = dict(vocab_size=1000, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,
@@ -192,17 +193,10 @@ def _local_math(layout: str, rank: int):
 
 def _rank_main(rank: int, port: int, commands, results) -> None:
     """One reference rank: reports settings and first logits, then times commands."""
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(rank_threads(WORLD))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=300))
-    every = [None] * WORLD
-    dist.all_gather_object(every, {**rank_settings(),
-                                   "(torch) threads per rank": str(torch.get_num_threads())})
+    join_reference_group(rank, port, WORLD)
+    every = gathered_rank_settings(WORLD)
     if rank == 0:
         results.put(("settings", every))
     forwards = _reference_forwards(rank)
@@ -218,16 +212,12 @@ def _rank_main(rank: int, port: int, commands, results) -> None:
         dist.barrier()
         if rank == 0:
             results.put(("ready", None))
-        while (cmd := commands[rank].get()) is not None:
+
+        def timed(cmd):
             name, b, n = cmd
-            took = torch.tensor([_per_forward(lambda: forwards[name](ids[b]), n),
-                                 _per_forward(lambda: local[name](ids[b]), n, barrier=False)],
-                                dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                results.put(("time", tuple(took.tolist())))
-    dist.barrier()
-    dist.destroy_process_group()
+            return [_per_forward(lambda: forwards[name](ids[b]), n),
+                    _per_forward(lambda: local[name](ids[b]), n, barrier=False)]
+        serve_timings(rank, commands, results, timed)
 
 
 def _per_forward(fn, n: int, barrier: bool = True) -> float:
@@ -244,49 +234,24 @@ def _per_forward(fn, n: int, barrier: bool = True) -> float:
     return (time.perf_counter() - t0) / n
 
 
-class ReferenceRanks:
+class LlamaRanks(ReferenceRanks):
     """4 torch processes with the parallelized transformers Llama, timing on command."""
 
     def __init__(self, settings: dict):
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
-        self.results = ctx.Queue()
-        with spawn_env(settings):
-            self.procs = mp.start_processes(_rank_main, nprocs=WORLD, join=False,
-                                            args=(free_port(), self.commands, self.results),
-                                            start_method="spawn")
+        super().__init__(_rank_main, WORLD, settings)
         self.logits, ready = {}, False
         while not ready or len(self.logits) < len(LAYOUTS) * len(BATCHES):
-            kind, value = self._get()  # rank 2's logits may come after rank 0's "ready"
+            kind, value = self.get()  # rank 2's logits may come after rank 0's "ready"
             if kind == "settings":
                 self.settings = value
             elif kind == "logits":
                 self.logits[value[:2]] = value[2]
             ready = ready or kind == "ready"
 
-    def _get(self):
-        """The next result; raises if a reference rank died (instead of waiting forever)."""
-        import queue
-        while True:
-            try:
-                return self.results.get(timeout=2)
-            except queue.Empty:
-                self.procs.join(timeout=0)  # raises ProcessRaisedException if one failed
-
-    def time(self, name: str, batch: int, n: int) -> tuple[float, float]:
-        """Seconds per forward: (DTensor forward + barrier, local math alone), slowest rank."""
-        for q in self.commands:
-            q.put((name, batch, n))
-        kind, value = self._get()
-        assert kind == "time", kind
-        return value
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        while not self.procs.join():
-            pass
+    def time(self, name: str, batch: int, n: int) -> dict:
+        """Seconds per forward, slowest rank: ``ref`` (DTensor forward + barrier) and
+        ``ref_local`` (local math alone). Every tagged start-up message came before."""
+        return dict(zip(("ref", "ref_local"), self.ask(name, batch, n)))
 
 
 # dtorch -------------------------------------------------------------------------------------------
@@ -339,9 +304,7 @@ def per_forward_counts(model, ids) -> tuple[float, dict]:
 
 
 def _check_settings(ours: dict, theirs: list[dict]) -> None:
-    for r, s in enumerate(theirs):
-        if s != ours:
-            raise RuntimeError(f"reference rank {r} runs with {s}, dtorch's ranks with {ours}")
+    check_same_settings(ours, theirs)
     print(f"{TAG} rank settings (dtorch's ranks and the reference ranks alike): "
           + ", ".join(f"{k}={v}" for k, v in ours.items()), flush=True)
 
@@ -349,45 +312,33 @@ def _check_settings(ours: dict, theirs: list[dict]) -> None:
 def measure_vs_dtensor(repeats: int) -> dict:
     """``{(layout, batch): {name: seconds or value}}``."""
     import torch
-
-    import dtorch
     hf = hf_model()
-    dtorch.init(n_workers=WORLD)
-    ref, out = None, {}
-    try:
+    out = {}
+    with dtorch_cluster(WORLD):
         settings = dtorch_rank_settings()
-        ref = ReferenceRanks(settings)
-        _check_settings(settings, ref.settings)
-        models = {name: dtorch_model(*LAYOUTS[name], hf) for name in LAYOUTS}
-        for b in BATCHES:
-            ids = token_ids(b)
-            with torch.no_grad():
-                want = hf(ids).logits
-            for name, model in models.items():
-                got = model(ids).to_torch()
-                for who, value in (("dtorch", got), ("DTensor", ref.logits[(name, b)])):
-                    err = (value - want).abs().max().item()
-                    assert torch.allclose(value, want, atol=1e-4), (name, b, who, err)
-                instr, counts = per_forward_counts(model, ids)
-                runs = {}
-                for _ in range(repeats):
-                    for k, v in zip(("ref", "ref_local"), ref.time(name, b, REF_N)):
-                        runs.setdefault(k, []).append(v)
-                    for k, v in time_dtorch(model, ids).items():
-                        runs.setdefault(k, []).append(v)
-                r = out[(name, b)] = {k: median(v) for k, v in runs.items()}
-                r.update(instr=instr, counts=counts)
-                print(f"{TAG} {name} batch {b}: dtorch {fmt_s(r['one']).strip()} "
-                      f"(chain {fmt_s(r['chain']).strip()}/forward, controller issue "
-                      f"{fmt_s(r['issue']).strip()}, read {fmt_s(r['read']).strip()}, round "
-                      f"trip {fmt_s(r['sync']).strip()}), DTensor {fmt_s(r['ref']).strip()} "
-                      f"(local math alone {fmt_s(r['ref_local']).strip()}); ratio "
-                      f"{r['one'] / r['ref']:.2f}; {instr:.0f} instructions/rank, {counts}",
-                      flush=True)
-    finally:
-        dtorch.shutdown()
-        if ref is not None:
-            ref.close()
+        with LlamaRanks(settings) as ref:
+            _check_settings(settings, ref.settings)
+            models = {name: dtorch_model(*LAYOUTS[name], hf) for name in LAYOUTS}
+            for b in BATCHES:
+                ids = token_ids(b)
+                with torch.no_grad():
+                    want = hf(ids).logits
+                for name, model in models.items():
+                    got = model(ids).to_torch()
+                    for who, value in (("dtorch", got), ("DTensor", ref.logits[(name, b)])):
+                        err = (value - want).abs().max().item()
+                        assert torch.allclose(value, want, atol=1e-4), (name, b, who, err)
+                    instr, counts = per_forward_counts(model, ids)
+                    r = out[(name, b)] = take_turns(repeats, lambda: ref.time(name, b, REF_N),
+                                                    lambda: time_dtorch(model, ids))
+                    r.update(instr=instr, counts=counts)
+                    print(f"{TAG} {name} batch {b}: dtorch {fmt_s(r['one']).strip()} "
+                          f"(chain {fmt_s(r['chain']).strip()}/forward, controller issue "
+                          f"{fmt_s(r['issue']).strip()}, read {fmt_s(r['read']).strip()}, round "
+                          f"trip {fmt_s(r['sync']).strip()}), DTensor {fmt_s(r['ref']).strip()} "
+                          f"(local math alone {fmt_s(r['ref_local']).strip()}); ratio "
+                          f"{r['one'] / r['ref']:.2f}; {instr:.0f} instructions/rank, {counts}",
+                          flush=True)
     return out
 
 
@@ -441,9 +392,8 @@ def measure_cp(seq: int, repeats: int) -> dict:
     ids = token_ids(1, seq)
     with torch.no_grad():
         want = hf(ids).logits
-    dtorch.init(n_workers=WORLD)
     out = {}
-    try:
+    with dtorch_cluster(WORLD):
         models = {k: dtorch_model((WORLD,), names, hf) for k, names in CP_MESHES.items()}
         for label, model in models.items():
             err = (model(ids).to_torch() - want).abs().max().item()
@@ -465,8 +415,6 @@ def measure_cp(seq: int, repeats: int) -> dict:
                   f"per rank MB (added by the forward): {', '.join(mb)}; ring K/V peak per "
                   f"rank {[c >> 10 for c in r['composite']]} KB; max |err| {r['err']:.1e}",
                   flush=True)
-    finally:
-        dtorch.shutdown()
     return out
 
 

@@ -48,8 +48,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (Row, barrier_timed, dtorch_rank_settings, fmt_bytes, free_port,  # noqa: E402
-                     main, matrix_shape, median, rank_settings, rank_threads, spawn_env)
+from _common import (ReferenceRanks, Row, barrier_timed, check_same_settings,  # noqa: E402
+                     dtorch_cluster, dtorch_rank_settings, fmt_bytes, gathered_rank_settings,
+                     join_reference_group, main, matrix_shape, median, redistribute_turns,
+                     serve_timings, time_redistribute)
 
 WORLD = int(os.environ.get("BENCH_WORLD", 4))
 KB, MB = 1 << 10, 1 << 20
@@ -154,23 +156,16 @@ def _reference_ops(move: tuple, nbytes: int, mesh, rank: int):
 
 def _rank_main(rank: int, port: int, commands, results) -> None:
     """One reference rank: times ``(move, bytes, n)`` commands until it reads None."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(rank_threads(WORLD))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=300))
+    join_reference_group(rank, port, WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
-    mine = {**rank_settings(), "(torch) threads per rank": str(torch.get_num_threads())}
-    every = [None] * WORLD
-    dist.all_gather_object(every, mine)
+    every = gathered_rank_settings(WORLD)
     if rank == 0:
         results.put(every)
     ops, current = None, None
-    while (cmd := commands[rank].get()) is not None:
+
+    def timed(cmd):
+        nonlocal ops, current
         move, nbytes, n = cmd
         if current != (move, nbytes):
             ops, current = None, None  # free the previous case's buffers first
@@ -182,72 +177,32 @@ def _rank_main(rank: int, port: int, commands, results) -> None:
         for i, op in enumerate(ops):  # an op that is also an earlier one is timed once
             same = [j for j in range(i) if ops[j] is op]
             took.append(-1.0 if op is None else took[same[0]] if same else barrier_timed(op, n))
-        slowest = torch.tensor(took, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            results.put(tuple(slowest.tolist()))
-    dist.barrier()
-    dist.destroy_process_group()
+        return took
+    serve_timings(rank, commands, results, timed)
 
 
-class ReferenceRanks:
+class MoveRanks(ReferenceRanks):
     """WORLD plain torch processes, spawned with ``settings``, that time one case on command."""
 
     def __init__(self, settings: dict):
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
-        self.results = ctx.Queue()
-        with spawn_env(settings):
-            self.procs = mp.start_processes(_rank_main, nprocs=WORLD, join=False,
-                                            args=(free_port(), self.commands, self.results),
-                                            start_method="spawn")
-        self.settings = self._get()  # each rank's rank_settings(), in rank order
+        super().__init__(_rank_main, WORLD, settings)
+        self.settings = self.get()  # each rank's rank_settings(), in rank order
 
-    def _get(self):
-        """The next result; raises if a reference rank died (instead of waiting forever)."""
-        import queue
-        while True:
-            try:
-                return self.results.get(timeout=2)
-            except queue.Empty:
-                self.procs.join(timeout=0)  # raises ProcessRaisedException if one failed
-
-    def time(self, move: tuple, nbytes: int, n: int) -> tuple[float, float, float | None]:
-        """Seconds per op: (DTensor, raw whole move, bare collective or None)."""
-        for q in self.commands:
-            q.put((move, nbytes, n))
-        dt, whole, bare = self._get()
-        return dt, whole, (bare if bare >= 0 else None)
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        while not self.procs.join():
-            pass
+    def time(self, move: tuple, nbytes: int, n: int) -> dict:
+        """Seconds per op: ``dt`` (DTensor), ``whole`` (raw whole move), ``bare`` (the bare
+        collective; absent where the move has none)."""
+        dt, whole, bare = self.ask(move, nbytes, n)
+        return {"dt": dt, "whole": whole, **({"bare": bare} if bare >= 0 else {})}
 
 
 # dtorch -------------------------------------------------------------------------------------------
-def time_dtorch(x, dst, n: int) -> float:
-    """Seconds per redistribute: n of them, then a synchronize."""
-    import dtorch
-    dtorch.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        x.redistribute(placements=[dst])
-    dtorch.synchronize()
-    return (time.perf_counter() - t0) / n
-
-
 def _check_settings(ours: dict, theirs: list[dict]) -> None:
     print("[redistribute_vs_dtensor] rank settings, dtorch's ranks and the reference ranks alike:")
     for k, v in ours.items():
         print(f"    {k}={v}")
     if "MALLOC_TRIM_THRESHOLD_" not in ours:
         print("    (no MALLOC_* variable: glibc's default, adaptive mmap threshold)")
-    for r, s in enumerate(theirs):
-        if s != ours:
-            raise RuntimeError(f"reference rank {r} runs with {s}, dtorch's ranks with {ours}")
+    check_same_settings(ours, theirs)
 
 
 def measure(todo, repeats: int) -> dict:
@@ -255,34 +210,23 @@ def measure(todo, repeats: int) -> dict:
     import dtorch
     from dtorch import Partial, Replicate, Shard, init_device_mesh
     place = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
-    dtorch.init(n_workers=WORLD)
-    ref = None
     out = {}
-    try:
+    with dtorch_cluster(WORLD):
         settings = dtorch_rank_settings()
-        ref = ReferenceRanks(settings)
-        _check_settings(settings, ref.settings)
-        mesh = init_device_mesh("cpu", WORLD)
-        for move, nbytes, n in todo:
-            label, src, dst, _ = move
-            x = dtorch.ones(*matrix_shape(nbytes), device_mesh=mesh, placements=[place[src]])
-            x.redistribute(placements=[place[dst]])  # warm-up (the result is freed at once)
-            ours, refs = [], []
-            for _ in range(repeats):
-                refs.append(ref.time(move, nbytes, n))
-                ours.append(time_dtorch(x, place[dst], n))
-            dt, whole, bare = (median(r) if r[0] is not None else None for r in zip(*refs))
-            out[(label, nbytes)] = (median(ours), dt, whole, bare)
-            print(f"[redistribute_vs_dtensor] {label} {fmt_bytes(nbytes)}: dtorch "
-                  f"{median(ours) * 1e3:.2f} ms, DTensor {dt * 1e3:.2f} ms, raw move "
-                  f"{whole * 1e3:.2f} ms" + (f", bare {bare * 1e3:.2f} ms" if bare else ""),
-                  flush=True)
-            del x
-        dtorch.synchronize()
-    finally:
-        dtorch.shutdown()
-        if ref is not None:
-            ref.close()
+        with MoveRanks(settings) as ref:
+            _check_settings(settings, ref.settings)
+            mesh = init_device_mesh("cpu", WORLD)
+            for move, nbytes, n in todo:
+                label, src, dst, _ = move
+                r = redistribute_turns(repeats, lambda: ref.time(move, nbytes, n), mesh,
+                                       nbytes, place[src], place[dst], n)
+                ours, dt, whole, bare = r["dtorch"], r["dt"], r["whole"], r.get("bare")
+                out[(label, nbytes)] = (ours, dt, whole, bare)
+                print(f"[redistribute_vs_dtensor] {label} {fmt_bytes(nbytes)}: dtorch "
+                      f"{ours * 1e3:.2f} ms, DTensor {dt * 1e3:.2f} ms, raw move "
+                      f"{whole * 1e3:.2f} ms" + (f", bare {bare * 1e3:.2f} ms" if bare else ""),
+                      flush=True)
+            dtorch.synchronize()
     return out
 
 
@@ -381,8 +325,7 @@ def where(quick: bool) -> None:
     from dtorch import Partial, Replicate, Shard, init_device_mesh
     from dtorch.runtime import session
     place = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
-    dtorch.init(n_workers=WORLD)
-    try:
+    with dtorch_cluster(WORLD):
         client = session.get_controller().client
         print("[where] rank settings:", dtorch_rank_settings(), flush=True)
         client.run(_install_timers)
@@ -408,7 +351,7 @@ def where(quick: bool) -> None:
                     for _ in range(5):
                         dtorch.synchronize()
                         client.run(_read_timers)
-                        ctrl.append(time_dtorch(x, place[dst], n_move))
+                        ctrl.append(time_redistribute(x, place[dst], n_move))
                         per_rank = client.run(_read_timers).values()
                         keys = {k for d in per_rank for k in d}
                         ranks.append({k: max(d.get(k, 0.0) for d in per_rank) / n_move
@@ -430,8 +373,6 @@ def where(quick: bool) -> None:
                       f"the rank process: whole move {ms(raw[0])}"
                       + (f", bare {ms(raw[1])}" if raw[1] >= 0 else ""), flush=True)
                 del x
-    finally:
-        dtorch.shutdown()
 
 
 if __name__ == "__main__":

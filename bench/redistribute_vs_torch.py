@@ -30,22 +30,16 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, barrier_timed, free_port, main, median, rank_threads  # noqa: E402
+from _common import (ReferenceRanks, Row, barrier_timed, dtorch_cluster,  # noqa: E402
+                     join_reference_group, main, matrix_shape, redistribute_turns,
+                     serve_timings)
 
 WORLD = int(os.environ.get("BENCH_WORLD", 4))
 MB = 1 << 20
 KINDS = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
 TARGET = 1.15
-
-
-def _shape(nbytes: int) -> tuple[int, int]:
-    """A square-ish float32 matrix of ``nbytes`` whose sides divide by WORLD (even shards)."""
-    n = nbytes // 4
-    rows = 1 << ((n.bit_length() - 1) // 2)
-    return rows, n // rows
 
 
 def cases(quick: bool) -> list[tuple[str, int, int]]:
@@ -70,7 +64,7 @@ def _reference_ops(kind: str, nbytes: int):
         bare = lambda: gather(out, inp)  # noqa: E731
         return bare, lambda: gather(torch.empty(elems), inp), bare
     if kind == "all_to_all":  # Shard(0) -> Shard(1): column blocks must be packed to send
-        rows, cols = _shape(nbytes)
+        rows, cols = matrix_shape(nbytes)
         local = torch.ones(rows // WORLD, cols)
         inp, out = torch.ones(elems // WORLD), torch.empty(elems // WORLD)
         packed = local.view(rows // WORLD, WORLD, cols // WORLD).transpose(0, 1)
@@ -94,15 +88,11 @@ def _reference_ops(kind: str, nbytes: int):
 
 def _rank_main(rank: int, port: int, commands, results) -> None:
     """One reference rank: times ``(kind, bytes, n)`` commands until it reads None."""
-    import torch
-    import torch.distributed as dist
-    from datetime import timedelta
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(rank_threads(WORLD))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=300))
+    join_reference_group(rank, port, WORLD)
     ops, current = None, None
-    while (cmd := commands[rank].get()) is not None:
+
+    def timed(cmd):
+        nonlocal ops, current
         kind, nbytes, n = cmd
         if current != (kind, nbytes):
             ops, current = _reference_ops(kind, nbytes), (kind, nbytes)
@@ -111,37 +101,19 @@ def _rank_main(rank: int, port: int, commands, results) -> None:
         took = []
         for op in ops:  # where the whole move is the bare collective, it is timed once
             took.append(took[0] if op is ops[0] and took else barrier_timed(op, n))
-        slowest = torch.tensor(took, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            results.put(tuple(slowest.tolist()))
-    dist.barrier()
-    dist.destroy_process_group()
+        return took
+    serve_timings(rank, commands, results, timed)
 
 
-class ReferenceRanks:
+class CollectiveRanks(ReferenceRanks):
     """WORLD plain torch processes that time one collective on command."""
 
     def __init__(self):
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
-        self.results = ctx.SimpleQueue()
-        self.procs = mp.start_processes(_rank_main, nprocs=WORLD, join=False,
-                                        args=(free_port(), self.commands, self.results),
-                                        start_method="spawn")
+        super().__init__(_rank_main, WORLD)
 
-    def time(self, kind: str, nbytes: int, n: int) -> tuple[float, float, float]:
-        """Seconds per op for each of ``_reference_ops``."""
-        for q in self.commands:
-            q.put((kind, nbytes, n))
-        return self.results.get()
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        while not self.procs.join():
-            pass
+    def time(self, kind: str, nbytes: int, n: int) -> dict:
+        """Seconds per op for each of ``_reference_ops``: ``bare``, ``fresh``, ``whole``."""
+        return dict(zip(("bare", "fresh", "whole"), self.ask(kind, nbytes, n)))
 
 
 # dtorch -----------------------------------------------------------------------------------------
@@ -152,42 +124,21 @@ def _moves() -> dict:
             "all_reduce": (Partial(), Replicate()), "reduce_scatter": (Partial(), Shard(0))}
 
 
-def time_dtorch(x, dst, n: int) -> float:
-    """Seconds per redistribute: n of them, then a synchronize."""
-    import dtorch
-    dtorch.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        x.redistribute(placements=[dst])
-    dtorch.synchronize()
-    return (time.perf_counter() - t0) / n
-
-
 def measure(todo, repeats: int) -> dict:
     """``{(kind, bytes): (dtorch s, bare collective s, fresh output s, whole move s)}``."""
     import dtorch
     from dtorch import init_device_mesh
-    ref = ReferenceRanks()
-    dtorch.init(n_workers=WORLD)
     out = {}
-    try:
+    with CollectiveRanks() as ref, dtorch_cluster(WORLD):
         mesh = init_device_mesh("cpu", WORLD)
         for kind, nbytes, n in todo:
             src, dst = _moves()[kind]
-            x = dtorch.ones(*_shape(nbytes), device_mesh=mesh, placements=[src])
-            x.redistribute(placements=[dst])  # warm-up (the result is freed at once)
-            ours, refs = [], []
-            for _ in range(repeats):
-                refs.append(ref.time(kind, nbytes, n))
-                ours.append(time_dtorch(x, dst, n))
-            out[(kind, nbytes)] = (median(ours), *(median(r) for r in zip(*refs)))
-            print(f"[redistribute] {kind} {nbytes // MB} MB: dtorch {median(ours) * 1e3:.2f} ms,"
-                  f" torch {out[(kind, nbytes)][1] * 1e3:.2f} ms", flush=True)
-            del x
+            r = redistribute_turns(repeats, lambda: ref.time(kind, nbytes, n), mesh, nbytes,
+                                   src, dst, n)
+            out[(kind, nbytes)] = (r["dtorch"], r["bare"], r["fresh"], r["whole"])
+            print(f"[redistribute] {kind} {nbytes // MB} MB: dtorch {r['dtorch'] * 1e3:.2f} ms,"
+                  f" torch {r['bare'] * 1e3:.2f} ms", flush=True)
         dtorch.synchronize()
-    finally:
-        dtorch.shutdown()
-        ref.close()
     return out
 
 

@@ -42,7 +42,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, barrier_timed, free_port, main, median, rank_threads  # noqa: E402
+from _common import (ReferenceRanks, Row, barrier_timed, dtorch_cluster,  # noqa: E402
+                     join_reference_group, main, serve_timings, take_turns)
 
 WORLD = 4
 D, HIDDEN = 512, 2048
@@ -66,18 +67,13 @@ def inputs(batch: int):
 # reference: PyTorch DTensor, parallelize_module, SPMD -------------------------------------------
 def _rank_main(rank: int, port: int, commands, results) -> None:
     """One reference rank: times ``(batch, chain)`` commands until it reads None."""
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(rank_threads(WORLD))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=300))
+    join_reference_group(rank, port, WORLD)
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     model = parallelize_module(torch_mlp(), mesh, {"0": ColwiseParallel(),
                                                    "2": RowwiseParallel()})
@@ -109,49 +105,33 @@ def _rank_main(rank: int, port: int, commands, results) -> None:
             return flagged[-1].item()
         parts[b] = (local, lambda out=out: dist.all_reduce(out), dtorch_step)
 
+    def timed(cmd):
+        batch, n = cmd
+        return ([barrier_timed(lambda: chain(xs[batch], n), 1) / n,
+                 barrier_timed(lambda: chain(xs[batch], 1), 1)] +
+                [barrier_timed(fn, n) for fn in parts[batch]])
+
     with torch.no_grad():
         for b in BATCHES:  # warm-up
             chain(xs[b], 3)
             for fn in parts[b]:
                 fn()
-        while (cmd := commands[rank].get()) is not None:
-            batch, n = cmd
-            took = torch.tensor([barrier_timed(lambda: chain(xs[batch], n), 1) / n,
-                                 barrier_timed(lambda: chain(xs[batch], 1), 1)] +
-                                [barrier_timed(fn, n) for fn in parts[batch]],
-                                dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                results.put(tuple(took.tolist()))
-    dist.barrier()
-    dist.destroy_process_group()
+        serve_timings(rank, commands, results, timed)
 
 
-class ReferenceRanks:
+class MlpRanks(ReferenceRanks):
     """4 plain torch processes running the parallelized MLP on command."""
 
     def __init__(self):
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.commands = [ctx.SimpleQueue() for _ in range(WORLD)]
-        self.results = ctx.SimpleQueue()
-        self.procs = mp.start_processes(_rank_main, nprocs=WORLD, join=False,
-                                        args=(free_port(), self.commands, self.results),
-                                        start_method="spawn")
-        self.first = self.results.get()  # {batch: output of one forward}
+        super().__init__(_rank_main, WORLD)
+        self.first = self.get()  # {batch: output of one forward}
 
-    def time(self, batch: int, n: int) -> tuple[float, ...]:
-        """Seconds: per forward of a chain of n, of one forward, and per op of the parts
-        (local matmuls, bare all_reduce, dtorch's all_reduce step in plain torch)."""
-        for q in self.commands:
-            q.put((batch, n))
-        return self.results.get()
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        while not self.procs.join():
-            pass
+    def time(self, batch: int, n: int) -> dict:
+        """Seconds: per forward of a chain of n (``ref_e2e``), of one forward (``ref_one``), and
+        per op of the parts: local matmuls (``ref_local``), bare all_reduce (``ref_ar``),
+        dtorch's all_reduce step in plain torch (``ref_step``)."""
+        return dict(zip(("ref_e2e", "ref_one", "ref_local", "ref_ar", "ref_step"),
+                        self.ask(batch, n)))
 
 
 # dtorch ------------------------------------------------------------------------------------------
@@ -174,10 +154,8 @@ def measure(repeats: int) -> dict:
     import dtorch
     from dtorch import Partial, Replicate, init_device_mesh
     from dtorch.runtime import session
-    ref = ReferenceRanks()
-    dtorch.init(n_workers=WORLD)
     out = {}
-    try:
+    with MlpRanks() as ref, dtorch_cluster(WORLD):
         c = session.get_controller()
         mesh = init_device_mesh("cpu", WORLD, mesh_dim_names=("tp",))
         mlp = dtorch_mlp(mesh)
@@ -226,20 +204,12 @@ def measure(repeats: int) -> dict:
             before = sum(s["instructions"] for s in dtorch.rank_stats())
             chain(CHAIN)
             instr = (sum(s["instructions"] for s in dtorch.rank_stats()) - before) / WORLD / CHAIN
-            keys = ("e2e", "ctrl", "one", "coll", "sync", "ref_e2e", "ref_one", "ref_local",
-                    "ref_ar", "ref_step")
-            runs = {k: [] for k in keys}
-            for _ in range(repeats):
-                for k, v in zip(keys[5:], ref.time(batch, CHAIN)):
-                    runs[k].append(v)
+            def dtorch_turn():
                 e2e, ctrl = chain(CHAIN)
-                runs["e2e"].append(e2e)
-                runs["ctrl"].append(ctrl)
-                runs["one"].append(one())
-                runs["coll"].append(collective(CHAIN))
-                runs["sync"].append(sync())
-            out[batch] = {k: median(v) for k, v in runs.items()}
-            r = out[batch]
+                return {"e2e": e2e, "ctrl": ctrl, "one": one(), "coll": collective(CHAIN),
+                        "sync": sync()}
+
+            r = out[batch] = take_turns(repeats, lambda: ref.time(batch, CHAIN), dtorch_turn)
             r["instr"] = instr
             print(f"[tp_mlp] batch {batch}: dtorch {r['e2e'] * 1e3:.2f} ms/forward "
                   f"(controller {r['ctrl'] * 1e6:.0f} us), DTensor {r['ref_e2e'] * 1e3:.2f} ms; "
@@ -251,9 +221,6 @@ def measure(repeats: int) -> dict:
                   f"{r['coll'] * 1e3:.2f} ms, empty synchronize {r['sync'] * 1e3:.2f} ms, "
                   f"{instr:.1f} instructions per forward on each rank", flush=True)
             del x, partial
-    finally:
-        dtorch.shutdown()
-        ref.close()
     return out
 
 
