@@ -65,3 +65,20 @@ def test_every_placement_1d(mesh1d, shape, k, rms):
         else:
             illegal(lambda: fn(d, wr))
     batch.check()
+
+
+def test_batch_norm_in_eval_keeps_a_sharded_batch_or_spatial_dim(mesh1d, mesh2d):
+    """Eval mode normalizes with the running statistics: each rank's rows alone suffice."""
+    x = torch.randn(6, 3, 5)
+    stats = [torch.randn(3), torch.rand(3) + 0.5, torch.randn(3), torch.randn(3)]
+    want = F.batch_norm(x, stats[0], stats[1], stats[2], stats[3], training=False)
+    batch = Batch()
+    for mesh, pl in ((mesh1d, [Shard(0)]), (mesh1d, [Shard(2)]), (mesh1d, [R]),
+                     (mesh2d, [Shard(0), Shard(2)])):
+        rm, rv, w, b = (dt(t, mesh, [R] * mesh.ndim) for t in stats)
+        got = no_comm(lambda: F.batch_norm(dt(x, mesh, pl), rm, rv, w, b, training=False))
+        batch.add(got, want, pl)
+    batch.check()
+    xs = dt(x, mesh1d, [Shard(1)])  # the channel dim: each rank would need its own stats slice
+    rm, rv = dt(stats[0], mesh1d, [R]), dt(stats[1], mesh1d, [R])
+    illegal(lambda: F.batch_norm(xs, rm, rv, training=False))
