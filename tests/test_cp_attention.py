@@ -66,6 +66,14 @@ def mesh_of(*names_sizes):
     return init_device_mesh("cpu", tuple(s for _, s in names_sizes), mesh_dim_names=names)
 
 
+def with_balancing(counts: dict, causal: bool, q, k, ring_first: bool = True) -> dict:
+    """A causal ring over one contiguous block per rank is zig-zag balanced: Q, K and V go
+    into the zig-zag layout and the output comes back, 4 more all_to_alls."""
+    if causal and ring_first and "send_recv" in counts and q.shape[2] == k.shape[2]:
+        return {**counts, "all_to_all": counts.get("all_to_all", 0) + 4}
+    return counts
+
+
 SHAPES = {"even": {}, "uneven": {"lq": 7, "lk": 7}, "L!=S": {"lq": 5, "lk": 11},
           "gqa": {"hq": 8, "hk": 2}, "gqa-uneven": {"hq": 4, "hk": 2, "lq": 9, "lk": 6},
           "short": {"lq": 3, "lk": 2}}
@@ -80,7 +88,8 @@ def test_cp_matches_torch_with_exact_counts(live, kind, counts, causal, shape):
     q, k, v = qkv(**SHAPES[shape])
     gqa = q.shape[1] != k.shape[1]
     out, got = attention(mesh_of((kind, 4)), [S2], q, k, v, is_causal=causal, enable_gqa=gqa)
-    assert got == counts  # ring: cp - 1 shifts and no all_gather; Ulysses: 3 in, 1 out
+    # ring: cp - 1 shifts and no all_gather; Ulysses: 3 in, 1 out
+    assert got == with_balancing(counts, causal, q, k)
     batch = Batch()
     batch.add(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
               [S2], atol=1e-5)
@@ -105,7 +114,8 @@ def test_cp_combined_with_dp_tp_and_each_other(live, names, placements, shape, c
     gqa = q.shape[1] != k.shape[1]
     mesh = mesh_of((names[0], 2), (names[1], 2))
     out, got = attention(mesh, placements, q, k, v, is_causal=causal, enable_gqa=gqa)
-    assert got == counts
+    ulysses = any(n in ("ulysses_cp", "ulysess_cp") for n in names)
+    assert got == with_balancing(counts, causal, q, k, ring_first=not ulysses)
     batch = Batch()
     batch.add(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
               placements, atol=1e-5)
@@ -141,7 +151,7 @@ def test_ring_rank_holds_its_block_and_the_one_in_flight_only(live):
     q, k, v = qkv(n=1, hq=2, lq=64, lk=64, e=16, ev=16)
     mesh = mesh_of(("ring_cp", 4))
     out, counts = attention(mesh, [S2], q, k, v, is_causal=True)
-    assert counts == {"send_recv": 3}
+    assert counts == {"send_recv": 3, "all_to_all": 4}  # zig-zag in (Q, K, V) and out
     block = (k.numel() + v.numel()) * 4 // 4  # one rank's K and V blocks, in bytes
     peaks = [s["composite_peak_bytes"] for s in dtorch.rank_stats()]
     assert peaks == [2 * block] * 4, (peaks, block)
@@ -221,7 +231,7 @@ def test_ring_plan_posts_each_shift_before_the_compute_and_drops_old_blocks():
     mesh = init_device_mesh("cpu", 4, mesh_dim_names=("ring_cp",))
     spec = lambda shape: TensorSpec(shape, torch.float32, mesh, (S2,))  # noqa: E731
     plan = cp_attention.plan_cp_attention(spec((1, 2, 8, 4)), spec((1, 2, 8, 4)), spec((1, 2, 8, 4)),
-                              False, True, None, None, 0)
+                              False, False, None, None, 0)
     kinds = [type(s).__name__ for s in plan.steps]
     assert kinds.count("Shift") == 3 and kinds.count("Wait") == 3
     assert [s.kind for s in plan.collectives] == ["send_recv"] * 3
@@ -245,3 +255,32 @@ def test_ring_step_skips_a_block_entirely_in_the_future_of_the_queries():
     assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=True),
                           atol=1e-6)
     assert math.isinf(mx.max().item())
+
+
+def _live_pairs(plan) -> dict:
+    """Per rank: the (query piece, key piece) pairs its ring steps compute under causal
+    (a key piece all in a query piece's future is skipped)."""
+    work = {}
+    for step in plan.steps:
+        if type(step) is not msg.Local or step.fn is not cp_attention.ring_step:
+            continue
+        qpos, kpos = dict(step.args[6].table), dict(step.args[7].table)
+        for r in qpos:
+            work[r] = work.get(r, 0) + sum(ks <= qs + qn - 1 for qs, qn in qpos[r] if qn
+                                           for ks, kn in kpos[r] if kn)
+    return work
+
+
+def test_causal_ring_work_is_balanced_by_the_zig_zag_layout():
+    """Contiguous blocks would give rank i of the ring i + 1 blocks (1, 2, 3, 4); in the
+    zig-zag layout (rank i holds chunks i and 2n-1-i of 2n) every rank computes the same."""
+    from dtorch.tensor import TensorSpec
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("ring_cp",))
+    spec = lambda shape: TensorSpec(shape, torch.float32, mesh, (S2,))  # noqa: E731
+    plan = cp_attention.plan_cp_attention(spec((1, 2, 64, 4)), spec((1, 2, 64, 4)),
+                                          spec((1, 2, 64, 4)), False, True, None, None, 0)
+    assert [s.kind for s in plan.collectives] == ["all_to_all"] * 3 + ["send_recv"] * 3 + [
+        "all_to_all"]
+    work = _live_pairs(plan)
+    assert len(set(work.values())) == 1, work  # 10 piece pairs on every rank
+    assert cp_attention._zigzag_chunks(64, 4)[::7] == [(0, 8, 0), (56, 8, 0)]

@@ -40,7 +40,8 @@ def hf_logits(model, ids):
 def expected_counts(names, layers=5):
     """Per forward: tp gathers the embedding and the logits and all-reduces o_proj and
     down_proj; pp moves between stages; Ulysses is 4 all_to_alls per attention (q, k, v in,
-    the output back); the ring shifts K/V cp - 1 times per attention."""
+    the output back); the ring shifts K/V cp - 1 times per attention, and alone (causal, one
+    block per rank) balances the work with 4 zig-zag all_to_alls."""
     sizes = dict(zip(names, MESH_SHAPES[names]))
     counts = {}
     if "tp" in names:
@@ -51,6 +52,8 @@ def expected_counts(names, layers=5):
         counts["all_to_all"] = 4 * layers
     if "ring_cp" in names:
         counts["send_recv"] = counts.get("send_recv", 0) + (sizes["ring_cp"] - 1) * layers
+        if "all_to_all" not in counts:  # causal ring alone: zig-zag in (q, k, v) and out
+            counts["all_to_all"] = 4 * layers
     return counts
 
 
@@ -128,7 +131,7 @@ def test_heads_that_do_not_split_over_tp_raise(live):
 MESHES_8 = [((2, 2, 2), ("dp", "tp", "pp")), ((2, 2, 2), ("pp", "tp", "dp")),
             ((2, 2, 2), ("tp", "pp", "ring_cp"))]
 COUNTS_8 = {"dp": {"all_gather": 2, "all_reduce": 10, "send_recv": 1},
-            "ring_cp": {"all_gather": 2, "all_reduce": 10, "send_recv": 1 + 5}}
+            "ring_cp": {"all_gather": 2, "all_reduce": 10, "send_recv": 1 + 5, "all_to_all": 20}}
 
 
 @pytest.mark.timeout(400)

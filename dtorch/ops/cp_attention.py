@@ -9,7 +9,10 @@ Q/K/V ``[N, H, L, E]`` sharded ``Shard(2)`` (the sequence) on a mesh dim named
 - ring: each rank keeps its Q rows; K/V blocks travel the ring with ``cp - 1`` shifts
   (``send_recv``, overlapped with the compute on the block in hand), merged by log-sum-exp
   (online softmax); a rank holds its current block and the one in flight, never the whole
-  K/V; under ``is_causal`` a block whose keys all come after the rank's queries is skipped;
+  K/V; under ``is_causal`` key pieces whose positions all come after a query piece's are
+  skipped, and the work is balanced: Q/K/V first move (one all_to_all each) into a zig-zag
+  layout where rank i of the ring holds chunks i and 2n-1-i of 2n (an early and a late one),
+  and the output moves back (one more); the user-visible layout stays contiguous Shard(2);
 - both on one mesh (any order): Ulysses first, then the ring on the head-sharded blocks.
 
 Other mesh dims follow the plain rule (``dp`` Shard(0), ``tp`` Shard(1) heads, Replicate).
@@ -176,7 +179,15 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
         lq, lk, lv = (_ulysses_in(b, mesh, u, x) for x in (lq, lk, lv))
         b.drop(0, 1, 2)
     if ring is not None and mesh.shape[ring] > 1:
+        balance = causal and _balanceable(mesh, ring, lq, lk, q.shape[SEQ], k.shape[SEQ])
+        if balance:  # zig-zag: every rank gets an early and a late chunk of the sequence
+            home, total = lq, q.shape[SEQ]
+            inputs = (lq.slot, lk.slot, lv.slot)
+            lq, lk, lv = (_zigzag_in(b, mesh, ring, x, total) for x in (lq, lk, lv))
+            b.drop(*inputs)
         out, watch = _ring(b, mesh, ring, lq, lk, lv, mask, batch, causal, scale, q.dtype)
+        if balance:
+            out = _zigzag_out(b, mesh, ring, out, lq, home, total, v.shape[3])
     else:
         slot, = b.local(local_attention, Slot(lq.slot), Slot(lk.slot), Slot(lv.slot), mask,
                         per_rank({r: (batch[r], lq.heads[r]) for r in mesh.ranks}), causal,
@@ -186,6 +197,82 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
         shapes = {r: lq.shapes[r][:3] + (v.shape[3],) for r in mesh.ranks}
         out = _ulysses_out(b, mesh, u, _Local(out, shapes, lq.seq, lq.heads), q0)
     return b.build((out,), watch)
+
+
+def _balanceable(mesh, rd, q: _Local, k: _Local, lq: int, lk: int) -> bool:
+    """Zig-zag balancing applies when every rank holds one contiguous sequence range (no
+    Ulysses before the ring) and queries and keys have the same length."""
+    return lq == lk and all(len(x.seq[r]) == 1 for x in (q, k) for r in mesh.ranks)
+
+
+def _zigzag_chunks(total: int, n: int) -> list[tuple[int, int, int]]:
+    """``[(start, length, owner coordinate)]`` of the ``2n`` zig-zag chunks: coordinate i
+    owns chunks i and 2n-1-i (an early and a late one: causal work evens out).
+
+    >>> _zigzag_chunks(8, 2)
+    [(0, 2, 0), (2, 2, 1), (4, 2, 1), (6, 2, 0)]
+    """
+    sizes = chunk_sizes(total, 2 * n)
+    starts = [sum(sizes[:c]) for c in range(2 * n)]
+    return [(starts[c], sizes[c], c if c < n else 2 * n - 1 - c) for c in range(2 * n)]
+
+
+def _pieces_to(start: int, length: int, chunks, n: int) -> list[tuple[int, int]]:
+    """The ``(start, length)`` of ``[start, start + length)`` going to each coordinate
+    (one contiguous interval per destination: only chunks n-1 and n share an owner and they
+    are adjacent)."""
+    out = []
+    for j in range(n):
+        parts = [(max(start, cs), min(start + length, cs + cl)) for cs, cl, o in chunks
+                 if o == j and max(start, cs) < min(start + length, cs + cl)]
+        lo = min((a for a, _ in parts), default=start)
+        hi = max((e for _, e in parts), default=lo)
+        out.append((lo, hi - lo))
+    return out
+
+
+def _zigzag_in(b: PlanBuilder, mesh, rd, x: _Local, total: int) -> _Local:
+    """Reorder each rank's block so its pieces lie in destination order, then all_to_all
+    along the ring dim into the zig-zag layout; the new sequence ranges are in source order."""
+    n = mesh.shape[rd]
+    chunks = _zigzag_chunks(total, n)
+    pieces = {r: _pieces_to(*x.seq[r][0], chunks, n) for r in mesh.ranks}
+    spans = {r: tuple((s - x.seq[r][0][0], ln) for s, ln in pieces[r]) for r in mesh.ranks}
+    ordered, = b.local(gather_seq, Slot(x.slot), per_rank(spans))
+    slot = b.exchange(mesh, rd, ordered, x.shapes, SEQ, SEQ,
+                      {r: tuple(ln for _, ln in pieces[r]) for r in mesh.ranks})
+    b.drop(ordered)
+    shapes, seq = {}, {}
+    for r in mesh.ranks:
+        peers, j = _peers(mesh, r, rd), mesh.get_coordinate(r)[rd]
+        got = [pieces[p][j] for p in peers]
+        seq[r] = tuple(g for g in got if g[1])
+        shapes[r] = x.shapes[r][:SEQ] + (sum(ln for _, ln in got),) + x.shapes[r][SEQ + 1:]
+    return _Local(slot, shapes, seq, x.heads)
+
+
+def _zigzag_out(b: PlanBuilder, mesh, rd, out: int, z: _Local, home: _Local, total: int,
+                ev: int) -> int:
+    """all_to_all the output from the zig-zag layout back to each rank's own block (its
+    pieces arrive in destination order of the way in) and undo the local reorder."""
+    n = mesh.shape[rd]
+    chunks = _zigzag_chunks(total, n)
+    shapes = {r: z.shapes[r][:SEQ + 1] + (ev,) for r in mesh.ranks}
+    sizes = {}
+    for r in mesh.ranks:
+        peers, j = _peers(mesh, r, rd), mesh.get_coordinate(r)[rd]
+        sizes[r] = tuple(_pieces_to(*home.seq[p][0], chunks, n)[j][1] for p in peers)
+    back = b.exchange(mesh, rd, out, shapes, SEQ, SEQ, sizes)
+    b.drop(out)
+    spans = {}
+    for r in mesh.ranks:
+        pieces = _pieces_to(*home.seq[r][0], chunks, n)
+        offsets = [sum(ln for _, ln in pieces[:j]) for j in range(n)]
+        order = sorted(range(n), key=lambda j: pieces[j][0])
+        spans[r] = tuple((offsets[j], pieces[j][1]) for j in order)
+    restored, = b.local(gather_seq, Slot(back), per_rank(spans))
+    b.drop(back)
+    return restored
 
 
 def _ring(b: PlanBuilder, mesh, rd, q: _Local, k: _Local, v: _Local, mask, batch, causal,
@@ -265,14 +352,57 @@ def ring_init(q, v):
             torch.zeros((n, h, lq, 1), dtype=dt, device=q.device))
 
 
+def gather_seq(x, spans):
+    """``x``'s sequence pieces ``(offset, length)`` concatenated in the given order."""
+    parts = [x.narrow(SEQ, o, ln) for o, ln in spans if ln]
+    return torch.cat(parts, SEQ) if parts else x.narrow(SEQ, 0, 0).clone()
+
+
+def _offsets(ranges):
+    """``[(local offset, start, length)]`` of position ranges laid out one after another."""
+    out, at = [], 0
+    for s, n in ranges:
+        if n:
+            out.append((at, s, n))
+        at += n
+    return out
+
+
 def ring_step(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, causal, scale):
-    """Merge one K/V block into the accumulators (online softmax); a block entirely in the
-    future of this rank's queries under ``causal`` is skipped without computing."""
+    """Merge one K/V block into the accumulators (online softmax). Under ``causal``, key
+    pieces entirely in the future of a query piece are skipped without computing (with the
+    zig-zag layout a rank holds two query pieces and a block two key pieces)."""
     if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[HEADS] == 0:
         return acc, mx, den
+    if causal and (len(q_ranges) > 1 or len(k_ranges) > 1):
+        return _ring_step_pieces(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, scale)
     last_q = max(s + n - 1 for s, n in q_ranges if n)
     if causal and min(s for s, n in k_ranges if n) > last_q:
         return acc, mx, den
+    return _merge_block(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, causal, scale)
+
+
+def _ring_step_pieces(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, scale):
+    """``ring_step`` one query piece at a time, each with the key pieces not all in its
+    future."""
+    keys = _offsets(k_ranges)
+    outs = []
+    for qo, qs, qn in _offsets(q_ranges):
+        rows = slice(qo, qo + qn)
+        part = [acc[:, :, rows], mx[:, :, rows], den[:, :, rows]]
+        live = [(ko, ks, kn) for ko, ks, kn in keys if ks <= qs + qn - 1]
+        if live:
+            kk = torch.cat([k.narrow(SEQ, ko, kn) for ko, _, kn in live], SEQ)
+            vv = torch.cat([v.narrow(SEQ, ko, kn) for ko, _, kn in live], SEQ)
+            part = _merge_block(q[:, :, rows], kk, vv, *part, ((qs, qn),),
+                                tuple((ks, kn) for _, ks, kn in live), mask, block, True,
+                                scale)
+        outs.append(part)
+    return tuple(torch.cat([o[i] for o in outs], SEQ) for i in range(3))
+
+
+def _merge_block(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, causal, scale):
+    """The online-softmax update of the accumulators with one block of keys and values."""
     dt = acc.dtype
     n, hq, lq, e = q.shape
     hk = k.shape[HEADS]
