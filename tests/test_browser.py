@@ -259,8 +259,12 @@ def menu(page, top: str, item: str) -> None:
 
 
 def saved(lab: Lab, name: str, code_cells: int) -> dict | None:
-    """The notebook as saved on disk, once it holds ``code_cells`` executed code cells."""
-    nb = json.loads((lab.root / name).read_text())
+    """The notebook as saved on disk, once it holds ``code_cells`` executed code cells (None
+    while it is not there yet, or the server is still writing it)."""
+    try:
+        nb = json.loads((lab.root / name).read_text())
+    except json.JSONDecodeError:  # read in the middle of the save: poll again
+        return None
     ran = [c for c in nb["cells"] if c["cell_type"] == "code" and c.get("execution_count")]
     return nb if len(ran) == code_cells else None
 
