@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections import deque
-import pickle
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import threading
 import time
 from datetime import timedelta
@@ -172,8 +171,7 @@ class RankActor:
 
     def _run_batch(self, payload: bytes, staged: bytes | None) -> None:
         try:
-            instructions = unpickle_segments(payload, self._interned)
-            staged = pickle.loads(staged) if isinstance(staged, bytes) else staged
+            instructions = unpickle_segments(payload, self._interned)  # staged: a dict as sent
         except Exception as exc:  # noqa: BLE001 - the stream is broken from here on
             self._fatal = self.interp._fail("unpickling a batch", exc).failure
             return
