@@ -251,9 +251,9 @@ def run(quick: bool = False) -> list[Row]:
 
 # where the time goes (``--where``): timers inside dtorch's rank processes ----------------------
 def _install_timers() -> None:
-    """In a rank process: wrap the batch loop, each redistribute step, each torch.distributed
-    call dtorch's steps make and the wait on the poison flag beside, adding seconds to
-    ``collectives._bench_timers``; ``_flag_off`` can swap the flag beside for a no-op."""
+    """In a rank process: wrap the batch loop, each redistribute step and each torch.distributed
+    call dtorch's steps make (the poison flag rides inside it), adding seconds to
+    ``collectives._bench_timers``."""
     import collections
     from dtorch.runtime import collectives, interpreter, worker
     if hasattr(collectives, "_bench_timers"):
@@ -271,30 +271,9 @@ def _install_timers() -> None:
 
     worker.RankActor._run_batch = timed("batch", worker.RankActor._run_batch)
     interpreter.run_step = timed("step", interpreter.run_step)
-    counted = getattr(collectives, "_counted", None)
-    if counted is not None:
-        counted._fns = {k: timed("collective", f) for k, f in counted._fns.items()}
-    beside = collectives._FlagBeside
-    beside.__exit__ = timed("flag wait", beside.__exit__)
-    collectives._bench_flag = collectives._flag_beside
-
-
-class _NoFlag:
-    peer = None
-
-    def __init__(self, *args):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _flag_off(off: bool) -> None:
-    from dtorch.runtime import collectives
-    collectives._flag_beside = _NoFlag if off else collectives._bench_flag
+    for name, fn in vars(collectives.counted).items():
+        if isinstance(fn, staticmethod):
+            setattr(collectives.counted, name, staticmethod(timed("collective", fn.__func__)))
 
 
 def _read_timers() -> dict:
@@ -317,10 +296,9 @@ def _in_worker(move: tuple, nbytes: int, n: int) -> tuple:
 
 def where(quick: bool) -> None:
     """Per move and size: dtorch's time per op on the controller, split into what the ranks
-    spend (batch loop, redistribute step, the collective call, the flag wait) and the rest
-    (controller issue, the Dask hop, the synchronize round trip), plus dtorch with the flag
-    beside swapped for a no-op, and raw torch on preallocated buffers inside the same rank
-    processes. Slowest rank per number; medians of 5 repeats."""
+    spend (batch loop, redistribute step, the collective call with its flag inside) and the rest
+    (controller issue, the Dask hop, the synchronize round trip), and raw torch on preallocated
+    buffers inside the same rank processes. Slowest rank per number; medians of 5 repeats."""
     import dtorch
     from dtorch import Partial, Replicate, Shard, init_device_mesh
     from dtorch.runtime import session
@@ -344,32 +322,24 @@ def where(quick: bool) -> None:
                 n_move = n if coll else 4 * n
                 x = dtorch.ones(*matrix_shape(nbytes), device_mesh=mesh, placements=[place[src]])
                 x.redistribute(placements=[place[dst]])
-                got = {}
-                for off in (False, True):
-                    client.run(_flag_off, off)
-                    ctrl, ranks = [], []
-                    for _ in range(5):
-                        dtorch.synchronize()
-                        client.run(_read_timers)
-                        ctrl.append(time_redistribute(x, place[dst], n_move))
-                        per_rank = client.run(_read_timers).values()
-                        keys = {k for d in per_rank for k in d}
-                        ranks.append({k: max(d.get(k, 0.0) for d in per_rank) / n_move
-                                      for k in keys})
-                    keys = {k for d in ranks for k in d}
-                    got[off] = (median(ctrl), {k: median([d.get(k, 0.0) for d in ranks])
-                                               for k in keys})
-                client.run(_flag_off, False)
+                ctrl, ranks = [], []
+                for _ in range(5):
+                    dtorch.synchronize()
+                    client.run(_read_timers)
+                    ctrl.append(time_redistribute(x, place[dst], n_move))
+                    per_rank = client.run(_read_timers).values()
+                    keys = {k for d in per_rank for k in d}
+                    ranks.append({k: max(d.get(k, 0.0) for d in per_rank) / n_move for k in keys})
+                keys = {k for d in ranks for k in d}
+                c, t = median(ctrl), {k: median([d.get(k, 0.0) for d in ranks]) for k in keys}
                 reps = [[max(v) for v in zip(*client.run(_in_worker, move, nbytes,
                                                           n_move).values())] for _ in range(3)]
                 raw = [median(v) for v in zip(*reps)]  # (whole move, bare or -1), slowest rank
-                (c, t), (c_off, _) = got[False], got[True]
                 ms = lambda v: f"{v * 1e3:.2f}"  # noqa: E731
                 print(f"[where] {label} {fmt_bytes(nbytes)}: controller-timed {ms(c)} ms/op; "
                       f"in the ranks: batch {ms(t.get('batch', 0))}, step {ms(t.get('step', 0))}"
-                      f", collective call {ms(t.get('collective', 0))}, flag wait "
-                      f"{ms(t.get('flag wait', 0))}; outside the ranks' batches "
-                      f"{ms(c - t.get('batch', 0))}; flag beside off: {ms(c_off)} ms/op; raw in "
+                      f", collective call {ms(t.get('collective', 0))}; outside the ranks' "
+                      f"batches {ms(c - t.get('batch', 0))}; raw in "
                       f"the rank process: whole move {ms(raw[0])}"
                       + (f", bare {ms(raw[1])}" if raw[1] >= 0 else ""), flush=True)
                 del x

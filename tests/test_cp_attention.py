@@ -39,20 +39,25 @@ def per_rank_counts(records) -> dict:
 
 
 def worker_counts() -> dict:
-    return {s["rank"]: dict(s["counts"]) for s in dtorch.rank_stats()}
+    """``{rank: ({kind: steps run}, torch.distributed calls issued)}``."""
+    return {s["rank"]: (dict(s["counts"]), s["dist_calls"]) for s in dtorch.rank_stats()}
 
 
 def counted(fn):
-    """Run ``fn`` (returning a DTensor) and check both ledgers agree; returns (out, counts)."""
+    """Run ``fn`` (returning a DTensor) and check the ledgers agree (the controller's, the
+    workers' steps, and their torch.distributed calls: one per step, the poison flag inside);
+    returns (out, counts)."""
     before = worker_counts()
     with dtorch.CommDebugMode() as mode:
         out = fn()
     dtorch.synchronize()
     after = worker_counts()
-    ran = {r: {k: n - before[r].get(k, 0) for k, n in after[r].items()
-               if n != before[r].get(k, 0)} for r in after}
+    ran = {r: {k: n - before[r][0].get(k, 0) for k, n in after[r][0].items()
+               if n != before[r][0].get(k, 0)} for r in after}
     expected = per_rank_counts(mode.get_comm_records())
     assert {r: c for r, c in ran.items() if c} == expected, (ran, expected)
+    calls = {r: after[r][1] - before[r][1] for r in after}
+    assert calls == {r: sum(ran[r].values()) for r in after}, (calls, ran)
     return out, mode.get_comm_counts()
 
 

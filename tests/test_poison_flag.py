@@ -1,11 +1,7 @@
 """The poison flag rides inside each collective's payload: a failure on one rank poisons its
 peers' results through all_gather, all_to_all, all_reduce, reduce_scatter and send_recv, and a
 change of placement is one torch.distributed collective on each rank (the workers' own counts,
-``rank_stats()['dist_calls']``), on the real 4-rank cluster.
-
-Chunks of ``EMBED_MAX`` bytes per rank (64 KiB) or more keep their zero-copy layouts for all_gather and
-all_to_all and run the flag as a separate all_reduce beside the collective instead: the rows
-below say so."""
+``rank_stats()['dist_calls']``), at every size and dtype, on the real 4-rank cluster."""
 
 import pytest
 import torch
@@ -13,24 +9,28 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import DeviceMesh, Partial, Replicate, Shard
-from dtorch.runtime.collectives import EMBED_MAX
 
 R = Replicate()
-SMALL, LARGE = 8, EMBED_MAX // 4 * 5  # features: a few bytes per rank, or 5 x EMBED_MAX
+SMALL, LARGE = 8, 1 << 16  # features: 32 bytes a row, or 256 KiB a row (1 MiB in all)
 MOVES = [  # (source placements, target placements, collective)
     ([Shard(0)], [R], "all_gather"),
+    ([Shard(1)], [R], "all_gather"),
     ([Shard(0)], [Shard(1)], "all_to_all"),
+    ([Shard(1)], [Shard(0)], "all_to_all"),
     ([Partial()], [R], "all_reduce"),
     ([Partial()], [Shard(0)], "reduce_scatter"),
+    ([Partial("max")], [R], "all_reduce"),
+    ([Partial("min")], [Shard(1)], "reduce_scatter"),
 ]
+IDS = [f"{s[0]}->{d[0]}" for s, d, _ in MOVES]
 
 
-def failing_on_rank_3(mesh, features: int, partial: bool):
+def failing_on_rank_3(mesh, features: int, partial: bool, dtype=torch.float32):
     """A DTensor whose computation fails on rank 3 only (its embedding index is out of
     range): ``[4, features]`` Shard(0), or its ``Partial('sum')`` over the rows ``[features]``."""
     idx = dtorch.tensor(torch.tensor([0, 1, 2, 99]), device_mesh=mesh, placements=[Shard(0)])
     emb = dtorch.tensor(torch.randn(10, features), device_mesh=mesh, placements=[R])
-    out = F.embedding(idx, emb)  # one row per rank
+    out = F.embedding(idx, emb).to(dtype)  # one row per rank
     return out.sum(0) if partial else out
 
 
@@ -39,12 +39,30 @@ def dist_calls() -> dict:
     return {s["rank"]: s["dist_calls"] for s in dtorch.rank_stats()}
 
 
-@pytest.mark.parametrize("src, dst, kind", MOVES, ids=[m[2] for m in MOVES])
+def source(value, mesh, src):
+    """``value`` laid out as ``src`` (a Partial: rank 0 holds it all, the others zeros, or for
+    max/min every rank holds it)."""
+    if isinstance(src[0], Partial):
+        zeros = torch.zeros_like(value)
+        spread = src[0].reduce_op in ("max", "min")
+        return dtorch.from_local([value] + [value if spread else zeros] * (mesh.size() - 1),
+                                 mesh, src)
+    return dtorch.tensor(value, device_mesh=mesh, placements=src)
+
+
+SUM_MOVES = [(m, i) for m, i in zip(MOVES, IDS) if m[0][0] not in (Partial("max"), Partial("min"))]
+
+
+@pytest.mark.parametrize("src, dst, kind", [m for m, _ in SUM_MOVES], ids=[i for _, i in SUM_MOVES])
 @pytest.mark.parametrize("features", [SMALL, LARGE], ids=["small", "large"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8], ids=["f32", "u8"])
 def test_a_failure_on_one_rank_poisons_every_rank_through_the_collective(mesh1d, src, dst,
-                                                                         kind, features):
-    x = failing_on_rank_3(mesh1d, features, partial=src == [Partial()])
-    assert x.placements == tuple(src)
+                                                                         kind, features, dtype):
+    if isinstance(src[0], Partial):
+        x = failing_on_rank_3(mesh1d, features, partial=True, dtype=dtype)
+    else:
+        x = failing_on_rank_3(mesh1d, features, partial=False, dtype=dtype)
+        x = x.redistribute(placements=src) if src != [Shard(0)] else x
     with dtorch.CommDebugMode() as mode:
         y = x.redistribute(placements=dst)
     assert mode.get_comm_counts() == {kind: 1}
@@ -64,17 +82,48 @@ def test_a_failure_reaches_the_other_mesh_through_send_recv(mesh1d):
         dtorch.synchronize()
 
 
-@pytest.mark.parametrize("src, dst, kind", MOVES, ids=[m[2] for m in MOVES])
-@pytest.mark.parametrize("features", [SMALL, LARGE], ids=["small", "large"])
-def test_a_change_of_placement_is_one_collective_per_rank(mesh1d, src, dst, kind, features):
-    value = torch.randn(4, features)
-    if src == [Partial()]:
-        x = dtorch.from_local([value / 4] * 4, mesh1d, [Partial()])
-    else:
-        x = dtorch.tensor(value, device_mesh=mesh1d, placements=src)
+@pytest.mark.parametrize("src, dst, kind", MOVES, ids=IDS)
+@pytest.mark.parametrize("shape", [(4, SMALL), (4, LARGE), (6, 10), (3, 5, 7)],
+                         ids=["small", "large", "uneven", "3d-uneven"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.int8, torch.complex64,
+                                   torch.bfloat16], ids=["f32", "bool", "i8", "c64", "bf16"])
+def test_a_change_of_placement_is_one_collective_per_rank(mesh1d, src, dst, kind, shape,
+                                                          dtype):
+    if dtype.is_complex and isinstance(src[0], Partial) and src[0].reduce_op != "sum":
+        pytest.skip("complex numbers have no max/min")
+    value = (torch.randn(shape) * 4).to(dtype) if dtype != torch.bool else \
+        torch.rand(shape) > 0.5
+    x = source(value, mesh1d, src)
     before = dist_calls()
     y = x.redistribute(placements=dst)
     after = dist_calls()
-    beside = features == LARGE and kind in ("all_gather", "all_to_all")  # the flag runs beside
-    assert {r: after[r] - before[r] for r in after} == {r: 2 if beside else 1 for r in after}
+    assert {r: after[r] - before[r] for r in after} == {r: 1 for r in after}
+    assert torch.equal(y.to_torch(), value)
+
+
+@pytest.mark.parametrize("src, dst", [([R, Shard(0)], [R, R]), ([Shard(1), R], [Shard(0), R]),
+                                      ([Partial(), Shard(1)], [R, Shard(1)])],
+                         ids=["tp:S(0)->R", "dp:S(1)->S(0)", "dp:P->R"])
+def test_a_move_on_one_mesh_dim_is_one_collective_per_rank_of_the_2d_mesh(mesh2d, src, dst):
+    value = torch.randn(8, 1 << 14)
+    if isinstance(src[0], Partial):
+        x = dtorch.tensor(value, device_mesh=mesh2d, placements=[R, Shard(1)])
+        x = dtorch.from_local([x.to_local(r) / 2 for r in range(4)], mesh2d, src,
+                              shape=value.shape)
+    else:
+        x = dtorch.tensor(value, device_mesh=mesh2d, placements=src)
+    before = dist_calls()
+    y = x.redistribute(placements=dst)
+    after = dist_calls()
+    assert {r: after[r] - before[r] for r in after} == {r: 1 for r in after}
     assert torch.allclose(y.to_torch(), value, atol=1e-5)
+
+
+def test_the_8bit_sum_keeps_its_wrapping_values_and_the_flag(mesh1d):
+    """uint8 sums wrap modulo 256 as torch's do; the flag rides in the same all_reduce."""
+    locals_ = [torch.full((4, 3), 200, dtype=torch.uint8)] * 4
+    x = dtorch.from_local(locals_, mesh1d, [Partial()])
+    before = dist_calls()
+    y = x.redistribute(placements=[R])
+    assert torch.equal(y.to_torch(), sum(locals_[1:], locals_[0]))
+    assert {r: n - before[r] for r, n in dist_calls().items()} == {r: 1 for r in range(4)}

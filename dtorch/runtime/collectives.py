@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from ..layout import chunk_sizes, local_shape
 from ..mesh import DeviceMesh
+from .poison_flag import (first_flagged, flag_codes, flag_element, reduced_flag,
+                          wire_for_reduction)
 
 # torch 2.13 renamed the flat-buffer collectives; keep working on older releases too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -34,11 +36,13 @@ def _count(fn):
     return call
 
 
-class _counted:  # noqa: N801 - a namespace of the counted collectives
+class counted:  # noqa: N801 - a namespace: the collectives, counted (used by composite.py too)
     all_gather_flat = staticmethod(_count(_all_gather_flat))
     reduce_scatter_flat = staticmethod(_count(_reduce_scatter_flat))
     all_reduce = staticmethod(_count(dist.all_reduce))
     all_to_all_single = staticmethod(_count(dist.all_to_all_single))
+    allgather_coalesced = staticmethod(_count(
+        lambda pg, outputs, inputs: pg.allgather_coalesced(outputs, inputs).wait()))
     batch_isend_irecv = staticmethod(_count(dist.batch_isend_irecv))
 
 
@@ -122,159 +126,123 @@ def _sizes(ctx: StepContext, placements, group, dim: int) -> list[int]:
 
 
 def _all_gather(step, local, ctx, group, pg, poisoned=False):
-    """Gather the (padded) shards; each rank's chunk carries its poison flag as one extra
-    element when the chunk is small, else a flag all_reduce runs beside the gather (the
-    in-chunk flag would cost a copy of a large chunk and of the result: see EMBED_MAX)."""
+    """Gather the (padded) shards; each rank's poison flag travels in the same collective. On
+    gloo, even shards are one coalesced all_gather of ``[shard, flag]`` that writes every
+    block straight into the result (gloo copies out of its own buffer anyway); otherwise the
+    flag is one extra element at the end of each rank's chunk."""
     d = step.src.dim
     sizes = _sizes(ctx, step.before, group, d)
-    buf = _wire(_pad(local, d, max(sizes))).contiguous()
-    n = len(group)
-    slot_of = {c: j for j, c in enumerate(_slots(group))}
-    if buf.numel() * buf.element_size() < EMBED_MAX and _flag_fits(buf.dtype):
-        chunk = buf.numel() + 1
-        send = _empty(ctx, (chunk,), buf.dtype)
-        send[:-1].copy_(buf.reshape(-1))
-        send[-1] = 1 if poisoned else 0
-        flat = _empty(ctx, (n * chunk,), buf.dtype)
-        _counted.all_gather_flat(flat, send, group=pg)
-        rows = flat.view(n, chunk)
-        peer = _first_flagged(rows[:, -1], group, _slots(group))
-        out = rows[:, :-1].reshape((n,) + tuple(buf.shape))
-        result = torch.cat([out[slot_of[c]].narrow(d, 0, s) for c, s in enumerate(sizes)], d)
-        del out, rows
-        _recycle(ctx, flat)
-        _recycle(ctx, send)
-        return result.to(local.dtype), peer
-    with _flag_beside(ctx, pg, poisoned) as flag:
-        flat = _empty(ctx, (n * buf.shape[0],) + tuple(buf.shape[1:]), buf.dtype)
-        if buf.numel():
-            _counted.all_gather_flat(flat, buf, group=pg)
-    if d == 0 and len(set(sizes)) == 1 and list(slot_of) == sorted(slot_of):
-        return flat.to(local.dtype), flag.peer
-    out = flat.view((n,) + tuple(buf.shape))
-    result = torch.cat([out[slot_of[c]].narrow(d, 0, s) for c, s in enumerate(sizes)], d)
-    del out
+    x = _wire(_pad(local, d, max(sizes)))
+    n, slots = len(group), _slots(group)
+    if (len(set(sizes)) == 1 and x.numel() and not x.is_complex() and _is_gloo(pg)
+            and hasattr(pg, "allgather_coalesced")):
+        result, flags = _gather_coalesced(ctx, x.contiguous(), d, slots, pg, poisoned)
+    else:
+        result, flags = _gather_flat(ctx, x, d, sizes, slots, pg, poisoned)
+    return result.to(local.dtype), first_flagged(flags, group, slots)
+
+
+def _gather_coalesced(ctx, x, d, slots, pg, poisoned):
+    """``(gathered tensor, flag per slot)``: slot j's shard lands in coordinate slots[j]'s block."""
+    n, s = len(slots), x.shape[d]
+    shape = list(x.shape)
+    shape[d] = n * s
+    result = _empty(ctx, shape, x.dtype)
+    flags = torch.empty(n, dtype=x.dtype, device=ctx.device)
+    outputs = [[result.narrow(d, c * s, s), flags[j:j + 1]] for j, c in enumerate(slots)]
+    counted.allgather_coalesced(pg, outputs, [x, flag_element(x.dtype, poisoned, ctx.device)])
+    return result, flags
+
+
+def _gather_flat(ctx, x, d, sizes, slots, pg, poisoned):
+    """``(gathered tensor, flag per slot)`` through one flat all_gather of ``shard + [flag]``
+    chunks; the padding of uneven shards is cut off."""
+    n, chunk = len(slots), x.numel() + 1
+    send = _empty(ctx, (chunk,), x.dtype)
+    send[:-1].view(x.shape).copy_(x)
+    send[-1:].fill_(int(poisoned))
+    flat = _empty(ctx, (n * chunk,), x.dtype)
+    counted.all_gather_flat(flat, send, group=pg)
+    rows = flat.view(n, chunk)
+    flags = rows[:, -1].clone()
+    blocks = rows[:, :-1].view((n,) + tuple(x.shape))
+    slot_of = {c: j for j, c in enumerate(slots)}
+    result = _cat(ctx, [blocks[slot_of[c]].narrow(d, 0, s) for c, s in enumerate(sizes)], d)
+    del rows, blocks
     _recycle(ctx, flat)
-    return result.to(local.dtype), flag.peer
+    _recycle(ctx, send)
+    return result, flags
 
 
 def _all_to_all(step, local, ctx, group, pg, poisoned=False):
-    """Exchange the pieces. Small pieces carry the sender's poison flag as one extra element
-    (they are packed into a send buffer anyway); large ones keep the zero-copy layouts of
-    :func:`_all_to_all_plain` with a flag all_reduce beside (see EMBED_MAX)."""
+    """Exchange the pieces along the target dim in one all_to_all: each piece is packed (gloo
+    sends contiguous pieces: the pack is needed anyway) with the sender's poison flag as one
+    extra element, and the pieces received are joined along the source dim."""
     d_src, d_dst = step.src.dim, step.dst.dim
-    n, me = len(group), group.index(ctx.rank)
+    n, me, slots = len(group), group.index(ctx.rank), _slots(group)
     src_sizes = _sizes(ctx, step.before, group, d_src)
     pieces = chunk_sizes(local.shape[d_dst], n)
     x = _wire(_pad(local, d_src, max(src_sizes)))
-    if x.numel() * x.element_size() >= EMBED_MAX * n or not _flag_fits(x.dtype):
-        with _flag_beside(ctx, pg, poisoned) as flag:
-            result = _all_to_all_plain(step, local, ctx, group, pg)
-        return result, flag.peer
-    return _exchange(x, local, ctx, group, pg, d_src, d_dst, src_sizes, pieces, me, n, poisoned)
-
-
-def _all_to_all_plain(step, local, ctx, group, pg):
-    """The exchange with its zero-copy fast paths (large pieces; the flag runs beside)."""
-    d_src, d_dst = step.src.dim, step.dst.dim
-    n, me = len(group), group.index(ctx.rank)
-    src_sizes = _sizes(ctx, step.before, group, d_src)
-    pieces = chunk_sizes(local.shape[d_dst], n)
-    x = _wire(_pad(local, d_src, max(src_sizes)))
-    offsets = [sum(pieces[:j]) for j in range(n)]
-    slots = _slots(group)
-    in_order = slots == list(range(n))
     piece_shape = list(x.shape)
     piece_shape[d_dst] = max(pieces)
-    temp = None
-    if d_dst == 0 and in_order and len(set(pieces)) == 1:
-        # the pieces already lie one after the other: a view, not a copy
-        inp = x.contiguous().view([n] + piece_shape)
-    else:
-        temp = _empty(ctx, [n * piece_shape[0]] + piece_shape[1:], x.dtype)
-        inp = temp.view([n] + piece_shape)
-        for j, c in enumerate(slots):
-            if pieces[c] < max(pieces):
-                inp[j].zero_()
-            inp[j].narrow(d_dst, 0, pieces[c]).copy_(x.narrow(d_dst, offsets[c], pieces[c]))
-    received = _empty(ctx, [n * piece_shape[0]] + piece_shape[1:], x.dtype)
-    out = received.view([n] + piece_shape)
-    if inp.numel():
-        _counted.all_to_all_single(out, inp, group=pg)
-    del inp
-    if temp is not None:
-        _recycle(ctx, temp)
-        del temp
-    if d_src == 0 and in_order and len(set(src_sizes)) == 1 and pieces[me] == max(pieces):
-        # nothing to cut off and the blocks arrive in order along dim 0: the buffer is the result
-        del out
-        return received.to(local.dtype)
+    send = _pack_pieces(ctx, x, d_dst, pieces, slots, piece_shape, x.dtype)
+    send[:, -1].fill_(int(poisoned))
+    received = _empty(ctx, send.shape, x.dtype)
+    counted.all_to_all_single(received, send, group=pg)
+    _recycle(ctx, send)
+    del send
+    flags = received[:, -1].clone()
+    blocks = received[:, :-1].view([n] + piece_shape)
     slot_of = {c: j for j, c in enumerate(slots)}
-    parts = [out[slot_of[c]].narrow(d_src, 0, src_sizes[c]).narrow(d_dst, 0, pieces[me])
+    parts = [blocks[slot_of[c]].narrow(d_src, 0, src_sizes[c]).narrow(d_dst, 0, pieces[me])
              for c in range(n)]
-    result = torch.cat(parts, d_src).to(local.dtype)
-    del parts, out
+    result = _cat(ctx, parts, d_src).to(local.dtype)
+    del parts, blocks
     _recycle(ctx, received)
-    return result
+    return result, first_flagged(flags, group, slots)
 
 
-def _exchange(x, local, ctx, group, pg, d_src, d_dst, src_sizes, pieces, me, n, poisoned):
-    """all_to_all of ``x``'s pieces along ``d_dst``, each piece ending with the sender's flag
-    element; returns the result and the first poisoned peer (or None)."""
-    offsets = [sum(pieces[:j]) for j in range(n)]
-    slots = _slots(group)
-    piece_shape = list(x.shape)
-    piece_shape[d_dst] = max(pieces)
+def _pack_pieces(ctx, x, dim, pieces, slots, piece_shape, dtype) -> torch.Tensor:
+    """``[n, numel(piece_shape) + 1]``: row j holds the piece of ``x`` along ``dim`` for the
+    member in collective slot j (zero-padded to ``piece_shape``), its last element left for
+    the flag."""
     size = 1
-    for s_ in piece_shape:
-        size *= s_
-    temp = _empty(ctx, (n, size + 1), x.dtype)
+    for s in piece_shape:
+        size *= s
+    out = _empty(ctx, (len(slots), size + 1), dtype)
+    offsets = [sum(pieces[:c]) for c in range(len(pieces))]
     for j, c in enumerate(slots):
-        dst = temp[j, :size].view(piece_shape)
-        if pieces[c] < max(pieces):
+        dst = out[j, :size].view(piece_shape)
+        if pieces[c] < piece_shape[dim]:
             dst.zero_()
-        dst.narrow(d_dst, 0, pieces[c]).copy_(x.narrow(d_dst, offsets[c], pieces[c]))
-    temp[:, -1] = 1 if poisoned else 0
-    received = _empty(ctx, (n, size + 1), x.dtype)
-    if temp.numel():
-        _counted.all_to_all_single(received, temp, group=pg)
-    _recycle(ctx, temp)
-    del temp
-    peer = _first_flagged(received[:, -1], group, slots)
-    slot_of = {c: j for j, c in enumerate(slots)}
-    parts = [received[slot_of[c], :size].view(piece_shape).narrow(d_src, 0, src_sizes[c])
-             .narrow(d_dst, 0, pieces[me]) for c in range(n)]
-    result = torch.cat(parts, d_src).to(local.dtype)
-    del parts
-    _recycle(ctx, received)
-    return result, peer
+        dst.narrow(dim, 0, pieces[c]).copy_(x.narrow(dim, offsets[c], pieces[c]))
+    return out
+
+
+def _cat(ctx, parts: list, dim: int) -> torch.Tensor:
+    """``torch.cat(parts, dim)`` into a (pooled) buffer."""
+    shape = list(parts[0].shape)
+    shape[dim] = sum(p.shape[dim] for p in parts)
+    return torch.cat(parts, dim, out=_empty(ctx, shape, parts[0].dtype))
 
 
 def _all_reduce(step, local, ctx, group, pg, poisoned=False):
     """Reduce a copy of the shard with the poison flag as one extra element, reduced along
     (the copy is needed anyway: the reduction is in place)."""
-    t, flagged = _reduced(step, local, ctx, pg, poisoned)
+    t, flagged = _reduced(step, local, ctx, group, pg, poisoned)
     t = t.to(local.dtype)
     return (_average(t, len(group)) if step.src.reduce_op == "avg" else t), flagged
 
 
-def _reduced(step, local, ctx, pg, poisoned):
-    """``(reduced copy of local, whether any member was poisoned)`` in one all_reduce."""
+def _reduced(step, local, ctx, group, pg, poisoned):
+    """``(reduced copy of local, -1 if any member was poisoned else None)`` in one all_reduce."""
     op = step.src.reduce_op
     x = _wire(local)
-    if not _flag_fits(x.dtype):
-        with _flag_beside(ctx, pg, poisoned) as flag:
-            t = _copy_of(ctx, local)
-            if t.numel():
-                _counted.all_reduce(t, op=_REDUCE_OPS[op], group=pg)
-        return t, flag.peer
-    buf = _empty(ctx, (x.numel() + 1,), x.dtype)
+    buf = _empty(ctx, (x.numel() + 1,), wire_for_reduction(x.dtype, op, len(group)))
     buf[:-1].view(x.shape).copy_(x)
-    normal, bad = _FLAG_CODES[op]
-    buf[-1] = bad if poisoned else normal
-    _counted.all_reduce(buf, op=_REDUCE_OPS[op], group=pg)
-    flagged = buf[-1].item() != normal
-    return buf[:-1].view(x.shape), (-1 if flagged else None)
+    buf[-1:].fill_(flag_codes(op)[1 if poisoned else 0])
+    counted.all_reduce(buf, op=_REDUCE_OPS[op], group=pg)
+    return buf[:-1].view(x.shape), (-1 if reduced_flag(buf[-1], op) else None)
 
 
 def _reduce_scatter(step, local, ctx, group, pg, poisoned=False):
@@ -285,27 +253,31 @@ def _reduce_scatter(step, local, ctx, group, pg, poisoned=False):
         # gloo's reduce_scatter (torch 2.x) is itself clone + all_reduce + copy of one chunk;
         # doing that here skips the stacked, padded copy of the whole input it would be given,
         # and the poison flag rides in the all_reduce
-        full, flagged = _reduced(step, local, ctx, pg, poisoned)
+        full, flagged = _reduced(step, local, ctx, group, pg, poisoned)
         mine = full.narrow(d, sum(pieces[:me]), pieces[me])
         t = _empty(ctx, mine.shape, mine.dtype).copy_(mine).to(local.dtype)
         del mine, full
         return (_average(t, n) if step.src.reduce_op == "avg" else t), flagged
-    with _flag_beside(ctx, pg, poisoned) as flag:
-        t = _reduce_scatter_nccl(step, local, ctx, group, pg, d, n, me, pieces)
-    return t, flag.peer
+    return reduce_scatter_native(step, local, ctx, group, pg, poisoned)
 
 
-def _reduce_scatter_nccl(step, local, ctx, group, pg, d, n, me, pieces):
+def reduce_scatter_native(step, local, ctx, group, pg, poisoned=False):
+    """The backend's own reduce_scatter (NCCL): each member's piece is packed with a flag
+    element, reduced with the data. Returns ``(my reduced piece, -1 or None)``."""
+    d, op = step.dst.dim, step.src.reduce_op
+    n, me, slots = len(group), group.index(ctx.rank), _slots(group)
+    pieces = chunk_sizes(local.shape[d], n)
     x = _wire(local)
-    offsets = [sum(pieces[:j]) for j in range(n)]
-    inp = torch.stack([_pad(x.narrow(d, offsets[c], pieces[c]), d, max(pieces))
-                       for c in _slots(group)]).contiguous()
-    out = inp.new_empty(inp.shape[1:])
-    inp = inp.reshape((-1,) + tuple(inp.shape[2:]))  # gloo wants n outputs stacked on dim 0
-    if inp.numel():
-        _counted.reduce_scatter_flat(out, inp, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
-    t = out.narrow(d, 0, pieces[me]).to(local.dtype)
-    return _average(t, n) if step.src.reduce_op == "avg" else t
+    piece_shape = list(x.shape)
+    piece_shape[d] = max(pieces)
+    inp = _pack_pieces(ctx, x, d, pieces, slots, piece_shape,
+                       wire_for_reduction(x.dtype, op, n))
+    inp[:, -1].fill_(flag_codes(op)[1 if poisoned else 0])
+    out = _empty(ctx, (inp.shape[1],), inp.dtype)
+    counted.reduce_scatter_flat(out, inp.view(-1), op=_REDUCE_OPS[op], group=pg)
+    flagged = -1 if reduced_flag(out[-1], op) else None
+    t = out[:-1].view(piece_shape).narrow(d, 0, pieces[me]).contiguous().to(local.dtype)
+    return (_average(t, n) if op == "avg" else t), flagged
 
 
 def _average(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -351,7 +323,7 @@ def send_recv(step, local, ctx, poisoned: bool = False):
             if received.numel():
                 ops.append(dist.P2POp(dist.irecv, received, src))
     if ops:
-        for work in _counted.batch_isend_irecv(ops):
+        for work in counted.batch_isend_irecv(ops):
             work.wait()
     if received is not None:
         return received.to(ctx.dtype), bool(flag_in.item())
@@ -378,49 +350,6 @@ def run_step(step, local: torch.Tensor, ctx: StepContext,
         return _RUNNERS[step.kind](step, local, ctx, group, None), None
     pg = ctx.group_of(group)
     return _RUNNERS[step.kind](step, local, ctx, group, pg, poisoned)
-
-
-# the poison flag ------------------------------------------------------------------------------
-EMBED_MAX = 1 << 16  # all_gather / all_to_all chunks up to this many bytes carry the flag
-# inside; larger ones keep their zero-copy layouts (the flag beside them is overlapped: the
-# bench measured 0.04 ms of waiting for it, less than the copies an in-chunk flag costs)
-# (normal, poisoned) flag values per reduction, so the reduced flag says whether any was poisoned
-_FLAG_CODES = {"sum": (0, 1), "avg": (0, 1), "max": (0, 1), "min": (1, 0)}
-
-
-def _flag_fits(dtype) -> bool:
-    """An 8-bit wire type could wrap a summed flag: those use the flag beside instead."""
-    return dtype.itemsize > 1
-
-
-def _first_flagged(flags: torch.Tensor, group, slots) -> int | None:
-    """The rank of the first collective slot whose flag element is set, or None."""
-    hit = torch.nonzero(flags).flatten()
-    return group[slots[int(hit[0])]] if hit.numel() else None
-
-
-class _FlagBeside:
-    """A one-element MAX all_reduce of the flags, overlapped with a collective (for payloads
-    that cannot carry the flag cheaply); ``peer`` is set once the block ends."""
-
-    def __init__(self, ctx, pg, poisoned):
-        self.flag = torch.tensor([ctx.rank + 1 if poisoned else 0], dtype=torch.int32,
-                                 device=ctx.device)
-        self.pg, self.peer = pg, None
-
-    def __enter__(self):
-        self.work = _counted.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.pg,
-                                    async_op=True)
-        return self
-
-    def __exit__(self, *exc):
-        self.work.wait()
-        value = int(self.flag.item())
-        self.peer = value - 1 if value else None
-        return False
-
-
-_flag_beside = _FlagBeside
 
 
 def is_comm_failure(exc: BaseException) -> bool:

@@ -3,8 +3,8 @@
 The plan (``messages.CompositePlan``) was made on the controller; this file only does it.
 The poison rule holds for every step: once this rank's inputs or one of its steps failed, it
 skips its local calls but still takes part in every collective with zeros of the planned shape,
-and a one-element flag travels with each collective (a MAX all_reduce beside an all_to_all, a
-byte sent with each shift), so a failure anywhere poisons every rank's result and no peer
+and a flag travels inside each collective (one extra element of every all_to_all piece, a
+byte sent in the same batch as each shift), so a failure anywhere poisons every rank's result and no peer
 waits. Example (on a worker, from ``Interpreter._call``)::
 
     outs = run_composite(interp, plan, inputs)
@@ -12,10 +12,14 @@ waits. Example (on a worker, from ``Interpreter._call``)::
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from . import messages as m
+from .collectives import counted
+from .poison_flag import first_flagged
 
 
 class _Run:
@@ -94,21 +98,17 @@ class _Run:
             send = _pack_pieces(value, step.split_dim, send_sizes, pad_shape, group)
         except Exception as exc:  # noqa: BLE001 - take part anyway, with zeros
             self.fail("packing an all_to_all", exc)
-            send = torch.zeros((len(group),) + tuple(pad_shape), dtype=dtype,
+            send = torch.zeros((len(group), math.prod(pad_shape) + 1), dtype=dtype,
                                device=self.interp.device)
+        send[:, -1].fill_(int(self.poison is not None))  # the flag rides in each piece
         recv = torch.empty_like(send)
-        flag = torch.tensor([self.rank + 1 if self.poison is not None else 0],
-                            dtype=torch.int32, device=self.interp.device)
-        flag_work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg, async_op=True)
-        try:
-            if send.numel():
-                dist.all_to_all_single(recv, send, group=pg)
-        finally:
-            flag_work.wait()
-        if flag.item():
-            self.peer_failed(int(flag.item()) - 1, "all_to_all")
+        counted.all_to_all_single(recv, send, group=pg)
+        peer = first_flagged(recv[:, -1], group, _coords_in_slots(group))
+        if peer is not None:
+            self.peer_failed(peer, "all_to_all")
         if self.poison is None:
-            self.env[step.out] = _unpack_pieces(recv, step.cat_dim, recv_shapes, group)
+            self.env[step.out] = _unpack_pieces(recv[:, :-1].view((len(group),) + tuple(pad_shape)),
+                                                step.cat_dim, recv_shapes, group)
 
     def shift(self, step: m.Shift, dtype) -> None:
         send_to, recv_from, send_shapes, recv_shapes = dict(step.table)[self.rank]
@@ -122,7 +122,7 @@ class _Run:
         ops += [dist.P2POp(dist.isend, t, send_to) for t in sends if t.numel()]
         ops.append(dist.P2POp(dist.irecv, flag_in, recv_from))
         ops += [dist.P2POp(dist.irecv, b, recv_from) for b in bufs if b.numel()]
-        self.pending[step.outs] = (dist.batch_isend_irecv(ops), (flag_in, recv_from, sends), bufs)
+        self.pending[step.outs] = (counted.batch_isend_irecv(ops), (flag_in, recv_from, sends), bufs)
 
     def wait(self, step: m.Wait) -> None:
         works, (flag_in, peer, _sends), bufs = self.pending.pop(step.outs)
@@ -149,13 +149,14 @@ def _coords_in_slots(group) -> list[int]:
 
 
 def _pack_pieces(value, dim, sizes, pad_shape, group) -> torch.Tensor:
-    """``[n, *pad_shape]``: piece c of ``value`` along ``dim`` (sizes ``sizes``) in the slot of
-    coordinate c, zero-padded."""
-    out = value.new_zeros((len(group),) + tuple(pad_shape))
+    """``[n, numel(pad_shape) + 1]``: row j holds piece c of ``value`` along ``dim`` (sizes
+    ``sizes``) for the member in slot j, zero-padded to ``pad_shape``; the last element of
+    each row is left for the poison flag."""
+    out = value.new_zeros((len(group), math.prod(pad_shape) + 1))
     starts = [sum(sizes[:c]) for c in range(len(sizes))]
     for j, c in enumerate(_coords_in_slots(group)):
         piece = value.narrow(dim, starts[c], sizes[c])
-        out[j][tuple(slice(0, s) for s in piece.shape)].copy_(piece)
+        out[j, :-1].view(pad_shape)[tuple(slice(0, s) for s in piece.shape)].copy_(piece)
     return out
 
 
