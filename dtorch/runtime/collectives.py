@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from ..layout import chunk_sizes, local_shape
 from ..mesh import DeviceMesh
-from .poison_flag import (first_flagged, flag_codes, flag_element, reduced_flag,
-                          wire_for_reduction)
+from .poison_flag import (first_flagged, flag_codes, flag_element, flagged_row,
+                          reduced_flag, wire_for_reduction)
 
 # torch 2.13 renamed the flat-buffer collectives; keep working on older releases too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -157,15 +157,16 @@ def _gather_coalesced(ctx, x, d, slots, pg, poisoned):
 def _gather_flat(ctx, x, d, sizes, slots, pg, poisoned):
     """``(gathered tensor, flag per slot)`` through one flat all_gather of ``shard + [flag]``
     chunks; the padding of uneven shards is cut off."""
-    n, chunk = len(slots), x.numel() + 1
+    n, size = len(slots), x.numel()
+    chunk = flagged_row(size, x.dtype)
     send = _empty(ctx, (chunk,), x.dtype)
-    send[:-1].view(x.shape).copy_(x)
-    send[-1:].fill_(int(poisoned))
+    send[:size].view(x.shape).copy_(x)
+    send[size:].fill_(int(poisoned))
     flat = _empty(ctx, (n * chunk,), x.dtype)
     counted.all_gather_flat(flat, send, group=pg)
     rows = flat.view(n, chunk)
-    flags = rows[:, -1].clone()
-    blocks = rows[:, :-1].view((n,) + tuple(x.shape))
+    flags = rows[:, size].clone()
+    blocks = rows[:, :size].view((n,) + tuple(x.shape))
     slot_of = {c: j for j, c in enumerate(slots)}
     result = _cat(ctx, [blocks[slot_of[c]].narrow(d, 0, s) for c, s in enumerate(sizes)], d)
     del rows, blocks
@@ -185,14 +186,14 @@ def _all_to_all(step, local, ctx, group, pg, poisoned=False):
     x = _wire(_pad(local, d_src, max(src_sizes)))
     piece_shape = list(x.shape)
     piece_shape[d_dst] = max(pieces)
-    send = _pack_pieces(ctx, x, d_dst, pieces, slots, piece_shape, x.dtype)
-    send[:, -1].fill_(int(poisoned))
+    send, size = _pack_pieces(ctx, x, d_dst, pieces, slots, piece_shape, x.dtype,
+                              int(poisoned))
     received = _empty(ctx, send.shape, x.dtype)
     counted.all_to_all_single(received, send, group=pg)
     _recycle(ctx, send)
     del send
-    flags = received[:, -1].clone()
-    blocks = received[:, :-1].view([n] + piece_shape)
+    flags = received[:, size].clone()
+    blocks = received[:, :size].view([n] + piece_shape)
     slot_of = {c: j for j, c in enumerate(slots)}
     parts = [blocks[slot_of[c]].narrow(d_src, 0, src_sizes[c]).narrow(d_dst, 0, pieces[me])
              for c in range(n)]
@@ -202,21 +203,22 @@ def _all_to_all(step, local, ctx, group, pg, poisoned=False):
     return result, first_flagged(flags, group, slots)
 
 
-def _pack_pieces(ctx, x, dim, pieces, slots, piece_shape, dtype) -> torch.Tensor:
-    """``[n, numel(piece_shape) + 1]``: row j holds the piece of ``x`` along ``dim`` for the
-    member in collective slot j (zero-padded to ``piece_shape``), its last element left for
-    the flag."""
+def _pack_pieces(ctx, x, dim, pieces, slots, piece_shape, dtype, flag) -> tuple:
+    """``(buffer, size)``: row j of ``buffer`` holds, in its first ``size`` elements, the piece
+    of ``x`` along ``dim`` for the member in collective slot j (zero-padded to
+    ``piece_shape``), then ``flag`` (see ``flagged_row``)."""
     size = 1
     for s in piece_shape:
         size *= s
-    out = _empty(ctx, (len(slots), size + 1), dtype)
+    out = _empty(ctx, (len(slots), flagged_row(size, dtype)), dtype)
+    out[:, size:].fill_(flag)
     offsets = [sum(pieces[:c]) for c in range(len(pieces))]
     for j, c in enumerate(slots):
         dst = out[j, :size].view(piece_shape)
         if pieces[c] < piece_shape[dim]:
             dst.zero_()
         dst.narrow(dim, 0, pieces[c]).copy_(x.narrow(dim, offsets[c], pieces[c]))
-    return out
+    return out, size
 
 
 def _cat(ctx, parts: list, dim: int) -> torch.Tensor:
@@ -270,13 +272,12 @@ def reduce_scatter_native(step, local, ctx, group, pg, poisoned=False):
     x = _wire(local)
     piece_shape = list(x.shape)
     piece_shape[d] = max(pieces)
-    inp = _pack_pieces(ctx, x, d, pieces, slots, piece_shape,
-                       wire_for_reduction(x.dtype, op, n))
-    inp[:, -1].fill_(flag_codes(op)[1 if poisoned else 0])
+    inp, size = _pack_pieces(ctx, x, d, pieces, slots, piece_shape,
+                             wire_for_reduction(x.dtype, op, n), flag_codes(op)[int(poisoned)])
     out = _empty(ctx, (inp.shape[1],), inp.dtype)
     counted.reduce_scatter_flat(out, inp.view(-1), op=_REDUCE_OPS[op], group=pg)
-    flagged = -1 if reduced_flag(out[-1], op) else None
-    t = out[:-1].view(piece_shape).narrow(d, 0, pieces[me]).contiguous().to(local.dtype)
+    flagged = -1 if reduced_flag(out[size], op) else None
+    t = out[:size].view(piece_shape).narrow(d, 0, pieces[me]).contiguous().to(local.dtype)
     return (_average(t, n) if op == "avg" else t), flagged
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import messages as m
 from .collectives import counted
-from .poison_flag import first_flagged
+from .poison_flag import first_flagged, flagged_row
 
 
 class _Run:
@@ -98,17 +98,18 @@ class _Run:
             send = _pack_pieces(value, step.split_dim, send_sizes, pad_shape, group)
         except Exception as exc:  # noqa: BLE001 - take part anyway, with zeros
             self.fail("packing an all_to_all", exc)
-            send = torch.zeros((len(group), math.prod(pad_shape) + 1), dtype=dtype,
-                               device=self.interp.device)
-        send[:, -1].fill_(int(self.poison is not None))  # the flag rides in each piece
+            send = torch.zeros((len(group), flagged_row(math.prod(pad_shape), dtype)),
+                               dtype=dtype, device=self.interp.device)
+        size = math.prod(pad_shape)
+        send[:, size:].fill_(int(self.poison is not None))  # the flag rides in each piece
         recv = torch.empty_like(send)
         counted.all_to_all_single(recv, send, group=pg)
-        peer = first_flagged(recv[:, -1], group, _coords_in_slots(group))
+        peer = first_flagged(recv[:, size], group, _coords_in_slots(group))
         if peer is not None:
             self.peer_failed(peer, "all_to_all")
         if self.poison is None:
-            self.env[step.out] = _unpack_pieces(recv[:, :-1].view((len(group),) + tuple(pad_shape)),
-                                                step.cat_dim, recv_shapes, group)
+            pieces = recv[:, :size].view((len(group),) + tuple(pad_shape))
+            self.env[step.out] = _unpack_pieces(pieces, step.cat_dim, recv_shapes, group)
 
     def shift(self, step: m.Shift, dtype) -> None:
         send_to, recv_from, send_shapes, recv_shapes = dict(step.table)[self.rank]
@@ -149,14 +150,14 @@ def _coords_in_slots(group) -> list[int]:
 
 
 def _pack_pieces(value, dim, sizes, pad_shape, group) -> torch.Tensor:
-    """``[n, numel(pad_shape) + 1]``: row j holds piece c of ``value`` along ``dim`` (sizes
-    ``sizes``) for the member in slot j, zero-padded to ``pad_shape``; the last element of
-    each row is left for the poison flag."""
-    out = value.new_zeros((len(group), math.prod(pad_shape) + 1))
+    """``[n, flagged_row(numel(pad_shape))]``: row j holds piece c of ``value`` along ``dim``
+    (sizes ``sizes``) for the member in slot j, zero-padded to ``pad_shape``; the rest of each
+    row is left for the poison flag."""
+    out = value.new_zeros((len(group), flagged_row(math.prod(pad_shape), value.dtype)))
     starts = [sum(sizes[:c]) for c in range(len(sizes))]
     for j, c in enumerate(_coords_in_slots(group)):
         piece = value.narrow(dim, starts[c], sizes[c])
-        out[j, :-1].view(pad_shape)[tuple(slice(0, s) for s in piece.shape)].copy_(piece)
+        out[j, :math.prod(pad_shape)].view(pad_shape)[tuple(slice(0, s) for s in piece.shape)].copy_(piece)
     return out
 
 
