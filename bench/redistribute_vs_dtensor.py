@@ -112,7 +112,8 @@ def _raw_ops(move: tuple, nbytes: int, rank: int):
     import torch.distributed as dist
     _, _, dst, coll = move
     rows, cols = matrix_shape(nbytes)
-    # the entry points dtorch.runtime.collectives calls
+    # torch 2.13 names of the flat collectives (dtorch gathers even shards on gloo with
+    # ProcessGroup.allgather_coalesced instead, the flag beside the shard in the same call)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     elems, k = rows * cols, rows // WORLD

@@ -25,13 +25,24 @@ MOVES = [  # (source placements, target placements, collective)
 IDS = [f"{s[0]}->{d[0]}" for s, d, _ in MOVES]
 
 
-def failing_on_rank_3(mesh, features: int, partial: bool, dtype=torch.float32):
-    """A DTensor whose computation fails on rank 3 only (its embedding index is out of
-    range): ``[4, features]`` Shard(0), or its ``Partial('sum')`` over the rows ``[features]``."""
-    idx = dtorch.tensor(torch.tensor([0, 1, 2, 99]), device_mesh=mesh, placements=[Shard(0)])
+LAYOUTS = {  # name: (embedding indices, one block per mesh coordinate; the failing coordinate)
+    "even": ([0, 1, 2, 99], 3),
+    "uneven": ([0, 1, 2, 3, 99], 2),  # 5 rows over 4: blocks of 2, 2, 1, 0 rows
+}
+
+
+def failing(mesh, layout: str, src, dtype=torch.float32, features: int = SMALL):
+    """A DTensor laid out as ``src`` whose computation fails on one rank only (its embedding
+    index is out of range); returns it and that rank."""
+    indices, coordinate = LAYOUTS[layout]
+    idx = dtorch.tensor(torch.tensor(indices), device_mesh=mesh, placements=[Shard(0)])
     emb = dtorch.tensor(torch.randn(10, features), device_mesh=mesh, placements=[R])
-    out = F.embedding(idx, emb).to(dtype)  # one row per rank
-    return out.sum(0) if partial else out
+    rows = F.embedding(idx, emb).to(dtype)  # [len(indices), features] Shard(0)
+    x = {Shard(0): lambda: rows, Shard(1): lambda: rows.t(),
+         Partial("sum"): lambda: rows.sum(0, dtype=dtype), Partial("max"): lambda: rows.amax(0),
+         Partial("min"): lambda: rows.amin(0)}[src[0]]()
+    assert x.placements == tuple(src) and x.dtype == dtype
+    return x, mesh.ranks[coordinate]
 
 
 def dist_calls() -> dict:
@@ -50,31 +61,31 @@ def source(value, mesh, src):
     return dtorch.tensor(value, device_mesh=mesh, placements=src)
 
 
-SUM_MOVES = [(m, i) for m, i in zip(MOVES, IDS) if m[0][0] not in (Partial("max"), Partial("min"))]
+POISON_MOVES = MOVES[:-1] + [([Partial("min")], [Shard(0)], "reduce_scatter")]
 
 
-@pytest.mark.parametrize("src, dst, kind", [m for m, _ in SUM_MOVES], ids=[i for _, i in SUM_MOVES])
-@pytest.mark.parametrize("features", [SMALL, LARGE], ids=["small", "large"])
+@pytest.mark.parametrize("src, dst, kind", POISON_MOVES, ids=IDS[:-1] + ["P(min)->S(0)"])
+@pytest.mark.parametrize("layout, features", [("even", SMALL), ("even", LARGE),
+                                              ("uneven", SMALL)],
+                         ids=["small", "large", "uneven"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.uint8], ids=["f32", "u8"])
-def test_a_failure_on_one_rank_poisons_every_rank_through_the_collective(mesh1d, src, dst,
-                                                                         kind, features, dtype):
-    if isinstance(src[0], Partial):
-        x = failing_on_rank_3(mesh1d, features, partial=True, dtype=dtype)
-    else:
-        x = failing_on_rank_3(mesh1d, features, partial=False, dtype=dtype)
-        x = x.redistribute(placements=src) if src != [Shard(0)] else x
+@pytest.mark.parametrize("ranks", [(0, 1, 2, 3), (3, 1, 0, 2)], ids=["mesh", "permuted-mesh"])
+def test_a_failure_on_one_rank_poisons_every_rank_through_the_collective(live, src, dst, kind,
+                                                                         layout, features, dtype,
+                                                                         ranks):
+    x, bad_rank = failing(DeviceMesh("cpu", list(ranks)), layout, src, dtype, features)
     with dtorch.CommDebugMode() as mode:
         y = x.redistribute(placements=dst)
     assert mode.get_comm_counts() == {kind: 1}
     for rank in (0, 1, 2, 3):  # every rank's result is poisoned, none silently zero
         with pytest.raises(dtorch.RemoteError):
             y.to_local(rank)
-    with pytest.raises(dtorch.RemoteError, match="rank 3"):
+    with pytest.raises(dtorch.RemoteError, match=f"rank {bad_rank}"):
         dtorch.synchronize()
 
 
 def test_a_failure_reaches_the_other_mesh_through_send_recv(mesh1d):
-    x = failing_on_rank_3(mesh1d, SMALL, partial=False)
+    x, _ = failing(mesh1d, "even", [Shard(0)])
     moved = x.redistribute(device_mesh=DeviceMesh("cpu", [1, 2, 3, 0]))
     with pytest.raises(dtorch.RemoteError, match="source rank"):
         moved.to_local(0)  # rank 0 is coordinate 3 of the new mesh: it holds rank 3's shard
@@ -119,7 +130,7 @@ def test_a_move_on_one_mesh_dim_is_one_collective_per_rank_of_the_2d_mesh(mesh2d
     assert torch.allclose(y.to_torch(), value, atol=1e-5)
 
 
-def test_the_8bit_sum_keeps_its_wrapping_values_and_the_flag(mesh1d):
+def test_uint8_sums_wrap_as_torch_does_in_one_collective(mesh1d):
     """uint8 sums wrap modulo 256 as torch's do; the flag rides in the same all_reduce."""
     locals_ = [torch.full((4, 3), 200, dtype=torch.uint8)] * 4
     x = dtorch.from_local(locals_, mesh1d, [Partial()])

@@ -134,8 +134,8 @@ def _all_gather(step, local, ctx, group, pg, poisoned=False):
     sizes = _sizes(ctx, step.before, group, d)
     x = _wire(_pad(local, d, max(sizes)))
     n, slots = len(group), _slots(group)
-    if (len(set(sizes)) == 1 and x.numel() and not x.is_complex() and _is_gloo(pg)
-            and hasattr(pg, "allgather_coalesced")):
+    if (len(set(sizes)) == 1 and x.numel() and not x.is_complex() and x.device.type == "cpu"
+            and _is_gloo(pg) and hasattr(pg, "allgather_coalesced")):
         result, flags = _gather_coalesced(ctx, x.contiguous(), d, slots, pg, poisoned)
     else:
         result, flags = _gather_flat(ctx, x, d, sizes, slots, pg, poisoned)
@@ -176,9 +176,10 @@ def _gather_flat(ctx, x, d, sizes, slots, pg, poisoned):
 
 
 def _all_to_all(step, local, ctx, group, pg, poisoned=False):
-    """Exchange the pieces along the target dim in one all_to_all: each piece is packed (gloo
-    sends contiguous pieces: the pack is needed anyway) with the sender's poison flag as one
-    extra element, and the pieces received are joined along the source dim."""
+    """Exchange the pieces along the target dim in one all_to_all: each piece is packed into
+    a row of its own with the sender's poison flag after it (a copy of the shard that a
+    Shard(0) -> Shard(k) move needs anyway: gloo sends contiguous pieces), and the pieces
+    received are joined along the source dim (a copy of the result)."""
     d_src, d_dst = step.src.dim, step.dst.dim
     n, me, slots = len(group), group.index(ctx.rank), _slots(group)
     src_sizes = _sizes(ctx, step.before, group, d_src)
@@ -232,8 +233,8 @@ def _all_reduce(step, local, ctx, group, pg, poisoned=False):
     """Reduce a copy of the shard with the poison flag as one extra element, reduced along
     (the copy is needed anyway: the reduction is in place)."""
     t, flagged = _reduced(step, local, ctx, group, pg, poisoned)
-    t = t.to(local.dtype)
-    return (_average(t, len(group)) if step.src.reduce_op == "avg" else t), flagged
+    t = _average(t, len(group)) if step.src.reduce_op == "avg" else t
+    return t.to(local.dtype), flagged
 
 
 def _reduced(step, local, ctx, group, pg, poisoned):
@@ -257,9 +258,10 @@ def _reduce_scatter(step, local, ctx, group, pg, poisoned=False):
         # and the poison flag rides in the all_reduce
         full, flagged = _reduced(step, local, ctx, group, pg, poisoned)
         mine = full.narrow(d, sum(pieces[:me]), pieces[me])
-        t = _empty(ctx, mine.shape, mine.dtype).copy_(mine).to(local.dtype)
+        t = _empty(ctx, mine.shape, mine.dtype).copy_(mine)
         del mine, full
-        return (_average(t, n) if step.src.reduce_op == "avg" else t), flagged
+        t = _average(t, n) if step.src.reduce_op == "avg" else t
+        return t.to(local.dtype), flagged
     return reduce_scatter_native(step, local, ctx, group, pg, poisoned)
 
 
@@ -277,8 +279,9 @@ def reduce_scatter_native(step, local, ctx, group, pg, poisoned=False):
     out = _empty(ctx, (inp.shape[1],), inp.dtype)
     counted.reduce_scatter_flat(out, inp.view(-1), op=_REDUCE_OPS[op], group=pg)
     flagged = -1 if reduced_flag(out[size], op) else None
-    t = out[:size].view(piece_shape).narrow(d, 0, pieces[me]).contiguous().to(local.dtype)
-    return (_average(t, n) if op == "avg" else t), flagged
+    t = out[:size].view(piece_shape).narrow(d, 0, pieces[me]).contiguous()
+    t = _average(t, n) if op == "avg" else t
+    return t.to(local.dtype), flagged
 
 
 def _average(t: torch.Tensor, n: int) -> torch.Tensor:

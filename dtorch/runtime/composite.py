@@ -4,8 +4,8 @@ The plan (``messages.CompositePlan``) was made on the controller; this file only
 The poison rule holds for every step: once this rank's inputs or one of its steps failed, it
 skips its local calls but still takes part in every collective with zeros of the planned shape,
 and a flag travels inside each collective (one extra element of every all_to_all piece, a
-byte sent in the same batch as each shift), so a failure anywhere poisons every rank's result and no peer
-waits. Example (on a worker, from ``Interpreter._call``)::
+byte sent in the same batch as each shift), so a failure anywhere poisons every rank's result
+and no peer waits. Example (on a worker, from ``Interpreter._call``)::
 
     outs = run_composite(interp, plan, inputs)
 """
@@ -95,7 +95,7 @@ class _Run:
         pg = self.interp.group_of(group)
         value = self.value_or_zeros(step.src, in_shape, dtype)
         try:
-            send = _pack_pieces(value, step.split_dim, send_sizes, pad_shape, group)
+            send = _pack_pieces(value, step.split_dim, send_sizes, pad_shape, group, dtype)
         except Exception as exc:  # noqa: BLE001 - take part anyway, with zeros
             self.fail("packing an all_to_all", exc)
             send = torch.zeros((len(group), flagged_row(math.prod(pad_shape), dtype)),
@@ -123,7 +123,8 @@ class _Run:
         ops += [dist.P2POp(dist.isend, t, send_to) for t in sends if t.numel()]
         ops.append(dist.P2POp(dist.irecv, flag_in, recv_from))
         ops += [dist.P2POp(dist.irecv, b, recv_from) for b in bufs if b.numel()]
-        self.pending[step.outs] = (counted.batch_isend_irecv(ops), (flag_in, recv_from, sends), bufs)
+        works = counted.batch_isend_irecv(ops)
+        self.pending[step.outs] = (works, (flag_in, recv_from, sends), bufs)
 
     def wait(self, step: m.Wait) -> None:
         works, (flag_in, peer, _sends), bufs = self.pending.pop(step.outs)
@@ -149,15 +150,17 @@ def _coords_in_slots(group) -> list[int]:
     return [group.index(r) for r in sorted(group)]
 
 
-def _pack_pieces(value, dim, sizes, pad_shape, group) -> torch.Tensor:
+def _pack_pieces(value, dim, sizes, pad_shape, group, dtype) -> torch.Tensor:
     """``[n, flagged_row(numel(pad_shape))]``: row j holds piece c of ``value`` along ``dim``
     (sizes ``sizes``) for the member in slot j, zero-padded to ``pad_shape``; the rest of each
     row is left for the poison flag."""
-    out = value.new_zeros((len(group), flagged_row(math.prod(pad_shape), value.dtype)))
+    out = torch.zeros((len(group), flagged_row(math.prod(pad_shape), dtype)), dtype=dtype,
+                      device=value.device)
     starts = [sum(sizes[:c]) for c in range(len(sizes))]
+    size = math.prod(pad_shape)
     for j, c in enumerate(_coords_in_slots(group)):
         piece = value.narrow(dim, starts[c], sizes[c])
-        out[j, :math.prod(pad_shape)].view(pad_shape)[tuple(slice(0, s) for s in piece.shape)].copy_(piece)
+        out[j, :size].view(pad_shape)[tuple(slice(0, s) for s in piece.shape)].copy_(piece)
     return out
 
 

@@ -30,9 +30,9 @@ def flag_codes(op: str) -> tuple[int, int]:
 def wire_for_reduction(dtype: torch.dtype, op: str, n: int) -> torch.dtype:
     """The dtype a reduction over ``n`` ranks runs in so that its flag cannot wrap.
 
-    An 8-bit sum of 256 set flags is 0 again: groups that large sum 8-bit data as int32 (the
-    same result modulo 256, cast back after)."""
-    if op in ("sum", "avg") and dtype.itemsize == 1 and n >= 256:
+    An 8-bit integer sum of 256 set flags is 0 again: groups that large sum 8-bit integers
+    as int32 (the same sum modulo 256 once cast back). Float flags cannot wrap."""
+    if op in ("sum", "avg") and dtype.itemsize == 1 and not dtype.is_floating_point and n >= 256:
         return torch.int32
     return dtype
 
@@ -53,7 +53,7 @@ def first_flagged(flags: torch.Tensor, group, slots) -> int | None:
 
     ``flags[j]`` came from collective slot j; ``slots[j]`` is that member's index in
     ``group``."""
-    hit = torch.nonzero(flags).flatten()
+    hit = torch.nonzero(flags.cpu()).flatten()  # one device sync, not two
     return group[slots[int(hit[0])]] if hit.numel() else None
 
 
