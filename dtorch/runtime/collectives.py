@@ -79,6 +79,13 @@ def _copy_of(ctx: StepContext, t: torch.Tensor) -> torch.Tensor:
     return _empty(ctx, t.shape, t.dtype).copy_(t)
 
 
+def _owning(view: torch.Tensor) -> torch.Tensor:
+    """``view`` as a tensor of its own over the same memory (not a view: once freed, the
+    rank's pool can take that memory back, as it does for every other result)."""
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(
+        view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
+
+
 def _recycle(ctx: StepContext, t: torch.Tensor) -> None:
     """Hand a temporary back to the pool (the caller drops its reference right after)."""
     if ctx.pool is not None:
@@ -245,7 +252,7 @@ def _reduced(step, local, ctx, group, pg, poisoned):
     buf[:-1].view(x.shape).copy_(x)
     buf[-1:].fill_(flag_codes(op)[1 if poisoned else 0])
     counted.all_reduce(buf, op=_REDUCE_OPS[op], group=pg)
-    return buf[:-1].view(x.shape), (-1 if reduced_flag(buf[-1], op) else None)
+    return _owning(buf[:-1].view(x.shape)), (-1 if reduced_flag(buf[-1], op) else None)
 
 
 def _reduce_scatter(step, local, ctx, group, pg, poisoned=False):
@@ -279,7 +286,7 @@ def reduce_scatter_native(step, local, ctx, group, pg, poisoned=False):
     out = _empty(ctx, (inp.shape[1],), inp.dtype)
     counted.reduce_scatter_flat(out, inp.view(-1), op=_REDUCE_OPS[op], group=pg)
     flagged = -1 if reduced_flag(out[size], op) else None
-    t = out[:size].view(piece_shape).narrow(d, 0, pieces[me]).contiguous()
+    t = _owning(out[:size].view(piece_shape).narrow(d, 0, pieces[me]).contiguous())
     t = _average(t, n) if op == "avg" else t
     return t.to(local.dtype), flagged
 
