@@ -136,7 +136,7 @@ def _all_gather(step, local, ctx, group, pg, poisoned=False):
     """Gather the (padded) shards; each rank's poison flag travels in the same collective. On
     gloo, even shards are one coalesced all_gather of ``[shard, flag]`` that writes every
     block straight into the result (gloo copies out of its own buffer anyway); otherwise the
-    flag is one extra element at the end of each rank's chunk."""
+    flag follows each rank's chunk (see ``flagged_row``)."""
     d = step.src.dim
     sizes = _sizes(ctx, step.before, group, d)
     x = _wire(_pad(local, d, max(sizes)))
@@ -162,8 +162,8 @@ def _gather_coalesced(ctx, x, d, slots, pg, poisoned):
 
 
 def _gather_flat(ctx, x, d, sizes, slots, pg, poisoned):
-    """``(gathered tensor, flag per slot)`` through one flat all_gather of ``shard + [flag]``
-    chunks; the padding of uneven shards is cut off."""
+    """``(gathered tensor, flag per slot)`` through one flat all_gather of ``shard + flag``
+    chunks (``flagged_row`` elements each); the padding of uneven shards is cut off."""
     n, size = len(slots), x.numel()
     chunk = flagged_row(size, x.dtype)
     send = _empty(ctx, (chunk,), x.dtype)
