@@ -15,7 +15,9 @@
   ``parallelize_module`` under SPMD, taking turns (<= 1.0x end to end)
 - ``llama_vs_dtensor.py``: dtorch's LlamaForCausalLM forward on 4 ranks (tp4, pp2 x tp2) vs
   the same transformers Llama with PyTorch's DTensor ``parallelize_module`` under SPMD (<= 1.0x
-  end to end); ring vs Ulysses vs no CP at sequence 4096 (times, per-rank peak memory)
+  end to end)
+- ``llama_cp.py``: the same Llama with context parallelism, ring vs Ulysses vs no CP at
+  sequence 4096 (times, per-rank peak memory; information only)
 - ``controller_scaling.py``: controller time and bytes per op for a 500-op chain on 4, 64 and
   1,024 ranks in dry-run mode (flat within 1.5x)
 - ``pipeline.py``: 2 pipeline stages (one rank each), 8 micro-batches vs the same work as one
@@ -46,7 +48,7 @@ from _common import Row, command, machine, markdown, now, table  # noqa: E402
 
 BENCHES = ("redistribute_vs_torch.py", "redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
            "startup.py", "op_overhead.py", "tp_mlp_vs_dtensor.py", "pipeline.py",
-           "llama_vs_dtensor.py", "controller_scaling.py")
+           "llama_vs_dtensor.py", "llama_cp.py", "controller_scaling.py")
 
 
 def main() -> int:
