@@ -3,7 +3,6 @@ all_reduce instead) carries the poison flag inside each piece: run here on 4 pla
 processes, against torch, with a poisoned member and with uneven pieces."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -13,16 +12,11 @@ import torch.multiprocessing as mp
 from dtorch import Partial, Shard, init_device_mesh
 from dtorch.layout import chunk_sizes
 from dtorch.redistribute import plan_redistribute
+from dtorch.runtime.cluster import free_port
 from dtorch.runtime.collectives import StepContext, collective_calls, reduce_scatter_native
 
 CASES = [("sum", (8, 6), 0), ("avg", (8, 6), 1), ("max", (7, 5), 0), ("min", (6, 9), 1),
          ("sum", (3, 10), 0)]  # (reduce op, global shape, scattered dim); (3, 10) is uneven
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, port: int, poisoned_rank: int, out) -> None:
@@ -47,7 +41,7 @@ def _rank(rank: int, port: int, poisoned_rank: int, out) -> None:
 def test_native_reduce_scatter_matches_torch_and_carries_the_flag(poisoned_rank):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, poisoned_rank, out)) for r in range(4)]
     for p in procs:
         p.start()

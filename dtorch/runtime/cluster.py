@@ -32,7 +32,8 @@ class RankInfo(NamedTuple):
     device: str = "cpu"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this machine now (for a process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -174,7 +175,7 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
     workers = workers or worker_addresses(client)
     world = len(workers)
     master = _host(workers[0])
-    port = client.run(_free_port, workers=[workers[0]])[workers[0]]
+    port = client.run(free_port, workers=[workers[0]])[workers[0]]
     devices = _devices(workers, backend)
     futures = [client.submit(RankActor, rank, world, master, port, backend, timeout_s, seed,
                              num_threads, devices[rank], actor=True, workers=[addr], allow_other_workers=False,

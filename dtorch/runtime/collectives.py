@@ -100,7 +100,7 @@ def _my_group(step, rank: int) -> tuple[int, ...]:
                        f"{step.mesh_dim}")
 
 
-def _slots(group: tuple[int, ...]) -> list[int]:
+def slots_of(group: tuple[int, ...]) -> list[int]:
     """torch.distributed orders a group by global rank; entry j is the mesh coordinate (index
     in ``group``) of the member in collective slot j."""
     return [group.index(r) for r in sorted(group)]
@@ -140,7 +140,7 @@ def _all_gather(step, local, ctx, group, pg, poisoned=False):
     d = step.src.dim
     sizes = _sizes(ctx, step.before, group, d)
     x = _wire(_pad(local, d, max(sizes)))
-    n, slots = len(group), _slots(group)
+    slots = slots_of(group)
     if (len(set(sizes)) == 1 and x.numel() and not x.is_complex() and x.device.type == "cpu"
             and _is_gloo(pg) and hasattr(pg, "allgather_coalesced")):
         result, flags = _gather_coalesced(ctx, x.contiguous(), d, slots, pg, poisoned)
@@ -188,7 +188,7 @@ def _all_to_all(step, local, ctx, group, pg, poisoned=False):
     Shard(0) -> Shard(k) move needs anyway: gloo sends contiguous pieces), and the pieces
     received are joined along the source dim (a copy of the result)."""
     d_src, d_dst = step.src.dim, step.dst.dim
-    n, me, slots = len(group), group.index(ctx.rank), _slots(group)
+    n, me, slots = len(group), group.index(ctx.rank), slots_of(group)
     src_sizes = _sizes(ctx, step.before, group, d_src)
     pieces = chunk_sizes(local.shape[d_dst], n)
     x = _wire(_pad(local, d_src, max(src_sizes)))
@@ -276,7 +276,7 @@ def reduce_scatter_native(step, local, ctx, group, pg, poisoned=False):
     """The backend's own reduce_scatter (NCCL): each member's piece is packed with a flag
     element, reduced with the data. Returns ``(my reduced piece, -1 or None)``."""
     d, op = step.dst.dim, step.src.reduce_op
-    n, me, slots = len(group), group.index(ctx.rank), _slots(group)
+    n, me, slots = len(group), group.index(ctx.rank), slots_of(group)
     pieces = chunk_sizes(local.shape[d], n)
     x = _wire(local)
     piece_shape = list(x.shape)

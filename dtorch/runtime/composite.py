@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import messages as m
-from .collectives import counted
+from .collectives import counted, slots_of
 from .poison_flag import first_flagged, flagged_row
 
 
@@ -104,7 +104,7 @@ class _Run:
         send[:, size:].fill_(int(self.poison is not None))  # the flag rides in each piece
         recv = torch.empty_like(send)
         counted.all_to_all_single(recv, send, group=pg)
-        peer = first_flagged(recv[:, size], group, _coords_in_slots(group))
+        peer = first_flagged(recv[:, size], group, slots_of(group))
         if peer is not None:
             self.peer_failed(peer, "all_to_all")
         if self.poison is None:
@@ -144,12 +144,6 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-def _coords_in_slots(group) -> list[int]:
-    """Entry j: the mesh coordinate (index in ``group``) of collective slot j (torch orders a
-    group's members by global rank)."""
-    return [group.index(r) for r in sorted(group)]
-
-
 def _pack_pieces(value, dim, sizes, pad_shape, group, dtype) -> torch.Tensor:
     """``[n, flagged_row(numel(pad_shape))]``: row j holds piece c of ``value`` along ``dim``
     (sizes ``sizes``) for the member in slot j, zero-padded to ``pad_shape``; the rest of each
@@ -158,7 +152,7 @@ def _pack_pieces(value, dim, sizes, pad_shape, group, dtype) -> torch.Tensor:
                       device=value.device)
     starts = [sum(sizes[:c]) for c in range(len(sizes))]
     size = math.prod(pad_shape)
-    for j, c in enumerate(_coords_in_slots(group)):
+    for j, c in enumerate(slots_of(group)):
         piece = value.narrow(dim, starts[c], sizes[c])
         out[j, :size].view(pad_shape)[tuple(slice(0, s) for s in piece.shape)].copy_(piece)
     return out
@@ -167,7 +161,7 @@ def _pack_pieces(value, dim, sizes, pad_shape, group, dtype) -> torch.Tensor:
 def _unpack_pieces(recv, dim, shapes, group) -> torch.Tensor:
     """The pieces received (coordinate c's piece has shape ``shapes[c]``), padding cut off,
     concatenated along ``dim`` in coordinate order."""
-    slot_of = {c: j for j, c in enumerate(_coords_in_slots(group))}
+    slot_of = {c: j for j, c in enumerate(slots_of(group))}
     parts = [recv[slot_of[c]][tuple(slice(0, s) for s in shape)]
              for c, shape in enumerate(shapes)]
     return torch.cat(parts, dim)
