@@ -15,7 +15,7 @@ import operator
 import torch
 
 from . import layout
-from .graph import default_mesh
+from .graph import mesh_or_default
 from .mesh import DeviceMesh
 from .runtime import messages as m
 from .runtime import session
@@ -41,17 +41,9 @@ def _size(size) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _mesh(device_mesh, device) -> DeviceMesh:
-    if device_mesh is not None:
-        return device_mesh
-    device_type = torch.device(device).type if device is not None else (
-        session._controller.device_type if session.is_running() else "cpu")
-    return default_mesh(device_type)
-
-
 def _create(fn: str, shape, dtype, device_mesh, placements, device=None, args=(),
             all_ranks=False) -> DTensor:
-    mesh = _mesh(device_mesh, device)
+    mesh = mesh_or_default(device_mesh, device)
     spec = make_spec(shape, dtype, mesh, placements)
     c = session.get_controller()
     c.ensure_mesh(mesh)
@@ -177,7 +169,7 @@ def tensor(data, dtype=None, device_mesh=None, placements=None, device=None,
         raise UnsupportedOpError(f"dtorch.tensor takes dense tensors; this one is "
                                  f"{value.layout}. Convert it first: t.to_dense()")
     value = value.cpu()
-    mesh = _mesh(device_mesh, device)
+    mesh = mesh_or_default(device_mesh, device)
     spec = make_spec(value.shape, value.dtype, mesh, placements)
     c = session.get_controller()
     c.ensure_mesh(mesh)

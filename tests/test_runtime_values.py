@@ -110,6 +110,7 @@ def test_default_mesh_is_the_whole_cluster_or_the_guarded_one(live):
     x = dtorch.ones(2, 3)
     assert x.device_mesh == DeviceMesh("cpu", [0, 1, 2, 3]) == DeviceMesh("cpu")
     assert x.placements == (Replicate(),)
+    assert dtorch.zeros(1).device_mesh is x.device_mesh  # one mesh object, built once
     with dtorch.Graph.default_graph().device_mesh_guard(DeviceMesh("cpu", [1, 3])):
         y = dtorch.zeros(4, placements=[Shard(0)])
     assert y.device_mesh.ranks == (1, 3)

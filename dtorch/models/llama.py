@@ -33,7 +33,7 @@ from ..pipeline import assign_layers_to_stages
 from ..placement import Replicate, Shard
 from ..tensor import DTensor
 from .. import nn
-from ..nn.modules.linear import module_mesh
+from ..graph import mesh_or_default
 from .llama_config import llama_settings
 from .rope import cos_sin, inverse_frequencies
 
@@ -164,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         s = llama_settings(config)
         self.config = s
-        self.device_mesh = module_mesh(device_mesh)
+        self.device_mesh = mesh_or_default(device_mesh)
         self.stages = self.device_mesh.unbind("pp")
         self.stage_of = assign_layers_to_stages(s.num_hidden_layers, len(self.stages))
         tp = _tp_size(self.stages[0])

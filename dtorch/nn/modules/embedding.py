@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from ...errors import PlacementError
 from ...placement import Replicate, Shard
 from .. import init
-from .linear import module_mesh, resolve_tp_dim
+from ...graph import mesh_or_default
+from .linear import resolve_tp_dim
 from .module import Module, ModuleError
 from .placement_io import as_dtensor
 
@@ -41,7 +42,7 @@ class Embedding(Module):
             padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
-        self.device_mesh = module_mesh(device_mesh, device)
+        self.device_mesh = mesh_or_default(device_mesh, device)
         self.tp_dim = resolve_tp_dim(self.device_mesh, tp_dim) if self.weight_shard else None
         placements = [Replicate()] * self.device_mesh.ndim
         if self.tp_dim is not None:

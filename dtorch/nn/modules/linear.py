@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn.functional as F
 
 from ...errors import PlacementError
-from ...graph import default_mesh
+from ...graph import mesh_or_default
 from ...placement import Partial, Replicate, Shard
 from ...tensor import DTensor
 from .. import init
@@ -64,14 +63,6 @@ def tp_placements(mesh, tp_dim: int | None, shard_type) -> tuple[tuple, tuple]:
     return tuple(weight), tuple(bias)
 
 
-def module_mesh(device_mesh, device=None):
-    """``device_mesh``, else the innermost ``device_mesh_guard``, else the whole cluster."""
-    if device_mesh is not None:
-        return device_mesh
-    device_type = torch.device(device).type if device is not None else None
-    return default_mesh(device_type)
-
-
 class Linear(Module):
     """``y = x @ weight.T + bias`` with the weight sharded on ``tp_dim`` by ``tp_shard_type``."""
 
@@ -85,7 +76,7 @@ class Linear(Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ModuleError(f"{name} must be a positive int; got {value!r}")
         self.in_features, self.out_features = in_features, out_features
-        self.device_mesh = module_mesh(device_mesh, device)
+        self.device_mesh = mesh_or_default(device_mesh, device)
         self.tp_dim = resolve_tp_dim(self.device_mesh, tp_dim)
         self.tp_shard_type = tp_shard_type
         w_place, b_place = tp_placements(self.device_mesh, self.tp_dim, tp_shard_type)

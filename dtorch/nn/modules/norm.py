@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ...factories import ones, zeros
 from ...placement import Replicate
-from .linear import module_mesh
+from ...graph import mesh_or_default
 from .module import Module
 
 
@@ -31,7 +31,7 @@ class _Norm(Module):
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
-        self.device_mesh = module_mesh(device_mesh, device)
+        self.device_mesh = mesh_or_default(device_mesh, device)
         replicate = [Replicate()] * self.device_mesh.ndim
         if elementwise_affine:
             self.weight = ones(*self.normalized_shape, dtype=dtype, device_mesh=self.device_mesh,
