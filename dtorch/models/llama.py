@@ -242,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
         done = torch.zeros(ids.shape[0], dtype=torch.bool)
         out = ids
         for step in range(max_new_tokens):
-            nxt = logits.to_torch()[:, -1].argmax(-1)
+            # argmax on the ranks: [batch, seq] ids come back, not [batch, seq, vocab] logits
+            nxt = logits.argmax(-1).to_torch()[:, -1]
             if eos:
                 nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
                 done |= torch.isin(nxt, torch.tensor(eos))
