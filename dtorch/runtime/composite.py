@@ -34,12 +34,27 @@ class _Run:
         self.peak = 0
 
     # values ----------------------------------------------------------------------------------
+    def mine(self, table: tuple):
+        """This rank's entry of a per-rank ``table`` of ``(rank, entry)`` pairs."""
+        return self._once(table, lambda: dict(table)[self.rank])
+
+    def my_group(self, groups: tuple) -> tuple:
+        return self._once(groups, lambda: next(g for g in groups if self.rank in g))
+
+    def _once(self, key: tuple, find):
+        """``find()``, once per ``key`` object: plans are interned on the rank, so the same
+        tables come back on every call (no O(world) lookup per step)."""
+        hit = self.interp.mine.get(id(key))
+        if hit is None or hit[0] is not key:
+            hit = self.interp.mine[id(key)] = (key, find())
+        return hit[1]
+
     def resolve(self, obj):
         t = type(obj)
         if t is m.Slot:
             return self.env[obj.index]
         if t is m.PerRank:
-            return dict(obj.table)[self.rank]
+            return self.mine(obj.table)
         if t is m.Coord:
             return obj.mesh.get_coordinate(self.rank)
         if t in (list, tuple):
@@ -90,8 +105,8 @@ class _Run:
         self.env.update(zip(step.outs, outs))
 
     def exchange(self, step: m.Exchange, dtype) -> None:
-        in_shape, send_sizes, recv_shapes, pad_shape = dict(step.table)[self.rank]
-        group = next(g for g in step.groups if self.rank in g)
+        in_shape, send_sizes, recv_shapes, pad_shape = self.mine(step.table)
+        group = self.my_group(step.groups)
         pg = self.interp.group_of(group)
         value = self.value_or_zeros(step.src, in_shape, dtype)
         try:
@@ -112,7 +127,7 @@ class _Run:
             self.env[step.out] = _unpack_pieces(pieces, step.cat_dim, recv_shapes, group)
 
     def shift(self, step: m.Shift, dtype) -> None:
-        send_to, recv_from, send_shapes, recv_shapes = dict(step.table)[self.rank]
+        send_to, recv_from, send_shapes, recv_shapes = self.mine(step.table)
         dev = self.interp.device
         sends = [self.value_or_zeros(s, shape, dtype).contiguous()
                  for s, shape in zip(step.srcs, send_shapes)]

@@ -120,6 +120,7 @@ class Interpreter:
         self.errors: list[RemoteFailure] = []
         self.dropped_errors = 0
         self.counts: Counter = Counter()
+        self.mine: dict[int, tuple] = {}  # id(composite table) -> (table, this rank's entry)
         self.group_of = group_of
         self.make_groups = make_groups
         self.gen = torch.Generator().manual_seed(seed)
