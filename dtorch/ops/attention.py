@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from ..errors import UnsupportedOpError
 from ..layout import rank_block
 from ..placement import Replicate, Shard
 from ..runtime.messages import Coord
@@ -86,7 +87,6 @@ def sdpa_rule(op):
     q, k, v = op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value")
     cp = cp_attention.active(q, k, v) if type(q) is type(k) is type(v) is TArg else {}
     if op.arg(4, "dropout_p", 0.0):
-        from .dispatch import UnsupportedOpError
         where = (f" (context parallelism on {', '.join(cp)} included)" if cp else "")
         raise UnsupportedOpError(f"{op.name} with dropout_p > 0 is not supported on "
                                  f"DTensors{where}: eval only; pass dropout_p=0.0")

@@ -343,10 +343,7 @@ def _infer_replicated(func, targs, tkwargs) -> Outputs | None:
 def _refuse_layouts(func, result) -> None:
     for t in pytree.tree_leaves(result):
         if isinstance(t, torch.Tensor) and t.layout != torch.strided:
-            raise UnsupportedOpError(
-                f"{display_name(func)} returns a {t.layout} tensor; DTensors are dense "
-                f"(strided). Keep the dense tensor, or gather with .to_torch() and convert "
-                f"there")
+            generic.refuse_layout(func, t.layout)
 
 
 def _plain_to_meta(obj):

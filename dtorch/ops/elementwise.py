@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnsupportedOpError
 from .binary import broadcast_rule, operands_of
 from .registry import rule
 
@@ -78,7 +79,6 @@ def dropout_rule(op):
     """Eval mode only: the identity (placements kept, Partial included)."""
     training = op.arg(2, "training", op.entry.name.startswith("F."))
     if training and op.arg(1, "p", 0.5) > 0:
-        from .dispatch import UnsupportedOpError
         raise UnsupportedOpError(
             f"{op.name} in training mode is not supported on DTensors yet (its random mask "
             f"would differ from single-device torch); call it with training=False (eval)")

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
+from ..errors import UnsupportedOpError
 from ..runtime import messages as m
 from .registry import display_name
 
@@ -115,7 +116,6 @@ def picklable(fn):
     for home, ns in _HOMES:
         if name and getattr(ns, name, None) is fn:
             return ByName(home, name)
-    from .dispatch import UnsupportedOpError
     raise UnsupportedOpError(f"{display_name(fn)} cannot be sent to the ranks (pickle cannot "
                              f"find it by name); call a torch function instead")
 
@@ -161,13 +161,17 @@ def run_eager(controller, func, cargs, ckwargs, mesh, wrap):
     layouts = {leaf[3] for leaf in leaves if leaf[0] == "tensor"} - {"torch.strided"}
     if layouts:
         controller.issue(m.Free((raw,)))
-        from .dispatch import UnsupportedOpError
-        raise UnsupportedOpError(f"{display_name(func)} returns a {layouts.pop()} tensor; "
-                                 f"DTensors are dense (strided). Keep the dense tensor, or "
-                                 f"gather with .to_torch() and convert there")
+        refuse_layout(func, layouts.pop())
     tids = tuple(controller.new_tid() for kind, *_ in leaves if kind == "tensor")
     controller.issue(m.Unflatten(raw, tids, ranks))
     tid_iter = iter(tids)
     values = [wrap(leaf[1], leaf[2], next(tid_iter)) if leaf[0] == "tensor" else leaf[1]
               for leaf in leaves]
     return pytree.tree_unflatten(values, spec)
+
+
+def refuse_layout(func, layout) -> None:
+    """Raise: ``func`` returns a tensor of a non-strided ``layout`` (sparse, ...)."""
+    raise UnsupportedOpError(f"{display_name(func)} returns a {layout} tensor; DTensors are "
+                             f"dense (strided). Keep the dense tensor, or gather with "
+                             f".to_torch() and convert there")
