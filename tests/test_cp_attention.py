@@ -13,6 +13,7 @@ from dtorch import DeviceMesh, PlacementError, Replicate, Shard, init_device_mes
 from dtorch.ops import cp_attention
 from dtorch.ops.composite import exchange_step, shift_step
 from dtorch.runtime import messages as msg
+from ledgers import counted
 from test_ops_support import Batch, dt
 
 R = Replicate()
@@ -25,40 +26,6 @@ def qkv(n=2, hq=4, hk=None, lq=8, lk=8, e=8, ev=6, seed=0, dtype=torch.float32):
     return (torch.randn(n, hq, lq, e, generator=g, dtype=dtype),
             torch.randn(n, hk, lk, e, generator=g, dtype=dtype),
             torch.randn(n, hk, lk, ev, generator=g, dtype=dtype))
-
-
-def per_rank_counts(records) -> dict:
-    """``{rank: {kind: n}}`` the controller's records imply for the workers."""
-    out: dict = {}
-    for rec in records:
-        for group in rec.groups:
-            for r in group:
-                out.setdefault(r, {}).setdefault(rec.kind, 0)
-                out[r][rec.kind] += 1
-    return out
-
-
-def worker_counts() -> dict:
-    """``{rank: ({kind: steps run}, torch.distributed calls issued)}``."""
-    return {s["rank"]: (dict(s["counts"]), s["dist_calls"]) for s in dtorch.rank_stats()}
-
-
-def counted(fn):
-    """Run ``fn`` (returning a DTensor) and check the ledgers agree (the controller's, the
-    workers' steps, and their torch.distributed calls: one per step, the poison flag inside);
-    returns (out, counts)."""
-    before = worker_counts()
-    with dtorch.CommDebugMode() as mode:
-        out = fn()
-    dtorch.synchronize()
-    after = worker_counts()
-    ran = {r: {k: n - before[r][0].get(k, 0) for k, n in after[r][0].items()
-               if n != before[r][0].get(k, 0)} for r in after}
-    expected = per_rank_counts(mode.get_comm_records())
-    assert {r: c for r, c in ran.items() if c} == expected, (ran, expected)
-    calls = {r: after[r][1] - before[r][1] for r in after}
-    assert calls == {r: sum(ran[r].values()) for r in after}, (calls, ran)
-    return out, mode.get_comm_counts()
 
 
 def attention(mesh, placements, q, k, v, **kw):

@@ -5,32 +5,7 @@ import torch
 
 import dtorch
 from dtorch import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
-from dtorch.runtime import session
-
-
-def worker_counts():
-    dtorch.synchronize()
-    return [s["counts"] for s in session.get_controller().stats()]
-
-
-def counted(fn):
-    """Run fn under CommDebugMode and synchronize; returns (result, controller counts,
-    per-kind sums of what the workers ran)."""
-    before = worker_counts()
-    with dtorch.CommDebugMode() as mode:
-        out = fn()
-    dtorch.synchronize()
-    after = worker_counts()
-    ran = {}
-    for b, a in zip(before, after):
-        for k, v in a.items():
-            if v - b.get(k, 0):
-                ran[k] = ran.get(k, 0) + v - b.get(k, 0)
-    expected_ran = {}
-    for rec in mode.get_comm_records():
-        expected_ran[rec.kind] = expected_ran.get(rec.kind, 0) + len({r for g in rec.groups for r in g})
-    assert ran == expected_ran, "the workers ran different collectives than the controller recorded"
-    return out, mode.get_comm_counts()
+from ledgers import counted
 
 
 TABLE = [
