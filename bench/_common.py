@@ -15,16 +15,52 @@ import sys
 from typing import NamedTuple
 
 
+class Timing(NamedTuple):
+    """The median of repeated measurements and their spread (the interquartile range)."""
+
+    median: float
+    q1: float
+    q3: float
+    n: int
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+
+def summarize(xs) -> Timing:
+    """``Timing`` of a list of measurements: median, first and third quartile.
+
+    >>> summarize([1.0, 2.0, 3.0, 4.0, 100.0]).median
+    3.0
+    """
+    xs = sorted(xs)
+    if len(xs) < 2:
+        return Timing(xs[0], xs[0], xs[0], len(xs))
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return Timing(statistics.median(xs), q1, q3, len(xs))
+
+
 class Row(NamedTuple):
-    """One comparison: dtorch seconds vs reference seconds; ``target`` is the max ratio wanted.
-    ``unit`` "B" marks a row of bytes instead of seconds."""
+    """One comparison: dtorch seconds vs reference seconds (medians, with their interquartile
+    ranges ``*_iqr`` when repeated); ``target`` is the max ratio wanted, None for a row that is
+    information only (say, one that times dtorch's controller alone). ``unit`` "B" marks a row
+    of bytes instead of seconds."""
 
     name: str
     dtorch_s: float
     ref_s: float
-    target: float
+    target: float | None
     note: str = ""
     unit: str = "s"
+    dtorch_iqr: float = 0.0
+    ref_iqr: float = 0.0
+
+    @classmethod
+    def timed(cls, name: str, ours: Timing, ref: Timing, target: float | None,
+              note: str = "") -> "Row":
+        """A row from two ``Timing``s (medians and spreads)."""
+        return cls(name, ours.median, ref.median, target, note, "s", ours.iqr, ref.iqr)
 
     def shown(self, value: float) -> str:
         return f"{value:9.0f} B " if self.unit == "B" else fmt_s(value)
@@ -32,6 +68,24 @@ class Row(NamedTuple):
     @property
     def ratio(self) -> float:
         return self.dtorch_s / self.ref_s if self.ref_s > 0 else float("inf")
+
+    @property
+    def meets(self) -> str:
+        if self.target is None:
+            return "info"
+        return "yes" if self.ratio <= self.target else "no"
+
+    @property
+    def spread(self) -> str:
+        """The interquartile ranges as a share of each median: ``"±3% / ±8%"``."""
+        if not (self.dtorch_iqr or self.ref_iqr):
+            return ""
+        pct = lambda iqr, med: f"±{50 * iqr / med:.0f}%" if med > 0 else "-"  # noqa: E731
+        return f"{pct(self.dtorch_iqr, self.dtorch_s)} / {pct(self.ref_iqr, self.ref_s)}"
+
+    @property
+    def target_shown(self) -> str:
+        return "-" if self.target is None else f"<= {self.target:.2f}x"
 
 
 def main(run, doc: str) -> None:
@@ -85,24 +139,23 @@ def fmt_s(s: float) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    """Plain-text table: name, dtorch, reference, ratio, target, whether the target is met."""
+    """Plain-text table: name, dtorch, reference, ratio, spread, target, whether it is met."""
     w = max([len(r.name) for r in rows] + [10])
     lines = [f"{'benchmark':<{w}}  {'dtorch':>11}  {'reference':>11}  {'ratio':>6}  "
-             f"{'target':>7}  meets"]
+             f"{'IQR d / ref':>13}  {'target':>8}  meets"]
     for r in rows:
-        ok = "yes" if r.ratio <= r.target else "NO"
         lines.append(f"{r.name:<{w}}  {r.shown(r.dtorch_s)}  {r.shown(r.ref_s)}  {r.ratio:6.2f}  "
-                     f"<={r.target:<5.2f}  {ok}" + (f"  ({r.note})" if r.note else ""))
+                     f"{r.spread:>13}  {r.target_shown:>8}  {r.meets.upper() if r.meets == 'no' else r.meets}"
+                     + (f"  ({r.note})" if r.note else ""))
     return "\n".join(lines)
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = ["| benchmark | dtorch | reference | ratio | target | meets | note |",
-             "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    lines = ["| benchmark | dtorch | reference | ratio | IQR dtorch / ref | target | meets | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
-        ok = "yes" if r.ratio <= r.target else "no"
         lines.append(f"| {r.name} | {r.shown(r.dtorch_s).strip()} | {r.shown(r.ref_s).strip()} | "
-                     f"{r.ratio:.2f}x | <= {r.target:.2f}x | {ok} | {r.note} |")
+                     f"{r.ratio:.2f}x | {r.spread} | {r.target_shown} | {r.meets} | {r.note} |")
     return "\n".join(lines)
 
 
@@ -228,8 +281,14 @@ def gathered_rank_settings(world: int) -> list[dict]:
     return every
 
 
-def check_same_settings(ours: dict, theirs: list[dict]) -> None:
-    """Raises unless every reference rank's settings (``theirs``) are dtorch's ranks' (``ours``)."""
+def check_same_settings(ours: dict, theirs: list[dict], bench: str = "bench") -> None:
+    """Prints dtorch's rank settings; raises unless every reference rank's (``theirs``) are
+    the same (the one check every bench with reference ranks goes through)."""
+    print(f"[{bench}] rank settings, dtorch's ranks and the reference ranks alike:")
+    for k, v in ours.items():
+        print(f"    {k}={v}")
+    if not any(k.startswith("MALLOC_") for k in ours):
+        print("    (no MALLOC_* variable: glibc's default, adaptive mmap threshold)")
     for r, s in enumerate(theirs):
         if s != ours:
             raise RuntimeError(f"reference rank {r} runs with {s}, dtorch's ranks with {ours}")
@@ -246,33 +305,54 @@ def slowest_rank(seconds) -> tuple[float, ...]:
 
 def serve_timings(rank: int, commands, results, time_case) -> None:
     """A reference rank's command loop: for each command from ``commands[rank]`` until None,
-    ``time_case(command)`` gives this rank's seconds and rank 0 puts the slowest rank's on
-    ``results``; then the rank leaves the process group."""
+    ``time_case(command)`` gives this rank's seconds (a number or a sequence of them) and
+    rank 0 puts the slowest rank's on ``results``; then the rank leaves the process group."""
     import torch.distributed as dist
     while (cmd := commands[rank].get()) is not None:
-        took = slowest_rank(time_case(cmd))
+        took = time_case(cmd)
+        single = isinstance(took, (int, float))
+        took = slowest_rank([took] if single else took)
         if rank == 0:
-            results.put(took)
+            results.put(took[0] if single else took)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _reference_rank(rank: int, port: int, commands, results, rank_main, world: int) -> None:
+    """A spawned reference rank: joins the gloo group, reports every rank's settings (rank 0
+    puts them on ``results``), then runs ``rank_main(rank, commands, results)``."""
+    join_reference_group(rank, port, world)
+    every = gathered_rank_settings(world)
+    if rank == 0:
+        results.put(every)
+    rank_main(rank, commands, results)
+
+
 class ReferenceRanks:
-    """``world`` spawned processes running ``rank_main(rank, port, commands, results)``: one
-    command queue per rank, one results queue; spawned under ``spawn_env(settings)`` when
-    ``settings`` is given. A context manager: leaving it closes them."""
+    """``world`` spawned plain torch processes, each in the default gloo group, running
+    ``rank_main(rank, commands, results)``: one command queue per rank, one results queue.
 
-    def __init__(self, rank_main, world: int, settings: dict | None = None):
-        import contextlib
+    They are spawned with dtorch's rank-process settings (``settings``, from
+    ``dtorch_rank_settings()``: start the dtorch cluster first) and report their own, which
+    must be the same (``check_same_settings``, raising otherwise): both sides of every
+    comparison run with one allocator, huge-page and thread setup. A context manager: leaving
+    it closes them.
+    """
 
+    def __init__(self, rank_main, world: int, settings: dict, bench: str = "bench"):
         import torch.multiprocessing as mp
         ctx = mp.get_context("spawn")
         self.commands = [ctx.SimpleQueue() for _ in range(world)]
         self.results = ctx.Queue()
-        with spawn_env(settings) if settings is not None else contextlib.nullcontext():
-            self.procs = mp.start_processes(rank_main, nprocs=world, join=False,
-                                            args=(free_port(), self.commands, self.results),
-                                            start_method="spawn")
+        with spawn_env(settings):
+            self.procs = mp.start_processes(
+                _reference_rank, nprocs=world, join=False, start_method="spawn",
+                args=(free_port(), self.commands, self.results, rank_main, world))
+        try:
+            check_same_settings(settings, self.get(), bench)
+        except BaseException:
+            self.close()
+            raise
 
     def get(self):
         """The next result; raises if a reference rank died (instead of waiting forever)."""
@@ -306,13 +386,14 @@ class ReferenceRanks:
 
 def take_turns(repeats: int, *turns) -> dict:
     """``repeats`` rounds of calling each of ``turns`` in order (one timed repeat each, so all
-    see the same machine); each returns ``{name: seconds}``. The median per name."""
+    see the same machine); each returns ``{name: seconds}``. ``{name: Timing}`` (median and
+    interquartile range over the rounds)."""
     runs = {}
     for _ in range(repeats):
         for turn in turns:
             for k, v in turn().items():
                 runs.setdefault(k, []).append(v)
-    return {k: median(v) for k, v in runs.items()}
+    return {k: summarize(v) for k, v in runs.items()}
 
 
 class dtorch_cluster:
@@ -349,7 +430,8 @@ def time_redistribute(x, dst, n: int) -> float:
 def redistribute_turns(repeats: int, ref_turn, mesh, nbytes: int, src, dst, n: int) -> dict:
     """One redistribute case: dtorch ones of ``matrix_shape(nbytes)`` placed ``[src]`` on
     ``mesh``, one warm-up redistribute to ``dst`` (its result freed at once), then
-    ``take_turns`` of ``ref_turn`` and dtorch's ``time_redistribute`` (key ``dtorch``)."""
+    ``take_turns`` of ``ref_turn`` and dtorch's ``time_redistribute`` (key ``dtorch``):
+    ``{name: Timing}``."""
     import dtorch
     x = dtorch.ones(*matrix_shape(nbytes), device_mesh=mesh, placements=[src])
     x.redistribute(placements=[dst])

@@ -1,6 +1,6 @@
 """Op overhead: dtorch's single controller vs PyTorch DTensor under SPMD, same shapes.
 
-Two workloads on 4 CPU ranks (gloo on 127.0.0.1, same torch thread count per rank):
+Two workloads on 4 CPU ranks (gloo on 127.0.0.1):
 
 - a chain of 500 small elementwise ops on a ``[256, 64]`` float32 tensor, ``Shard(0)``
   (``x = x * 1.0001 + 0.001``, 250 times);
@@ -8,14 +8,23 @@ Two workloads on 4 CPU ranks (gloo on 127.0.0.1, same torch thread count per ran
   (column parallel), ``w2 [64, 256]`` Shard(1) (row parallel), ``relu`` between, and the
   Partial result redistributed to Replicate (one all_reduce).
 
-- reference: PyTorch's ``torch.distributed.tensor.DTensor`` in 4 spawned processes (SPMD),
-  timed inside the ranks between barriers after a warm-up; the slowest rank counts.
-- dtorch: timed on the controller after a warm-up (the signature cache is filled):
-  *controller* = issuing the ops plus shipping the batch (pickling included), per op;
-  *end to end* = issue + ``dtorch.synchronize()`` (the workers ran everything).
+Rows with a target compare whole jobs, with the same synchronisation on both sides: from a
+synchronized start until every rank has finished.
 
-Targets: controller cost per op <= 0.2x PyTorch DTensor's per-op time; end-to-end chain time
-<= 1.0x PyTorch DTensor's. The MLP rows are information only. Medians over repeats.
+- reference: PyTorch's ``torch.distributed.tensor.DTensor`` in 4 spawned processes (SPMD),
+  timed inside the ranks between two barriers; the slowest rank counts.
+- dtorch: issue the ops on the controller, then ``dtorch.synchronize()`` (every rank ran
+  everything), from a synchronized start, timed on the controller.
+
+Rows labelled *controller only* time what dtorch's controller thread spends (issuing the ops
+and shipping the batch, pickling included), which is what a notebook cell waits for before it
+can go on; they have no target, and their reference is the same ops in plain torch in one
+process (what the op itself costs), not a whole distributed job.
+
+The dtorch cluster starts first; the reference ranks are spawned with its rank processes'
+allocator, huge-page and thread settings and must report the same (``_common.ReferenceRanks``).
+Both stay up and take turns, one timed repeat each; medians and interquartile ranges.
+Target: the chain end to end <= 1.0x PyTorch DTensor (the MLP row is information only).
 
     .venv/bin/python bench/op_overhead.py [--quick]
 """
@@ -27,12 +36,14 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, barrier_timed, free_port, main, median, rank_threads  # noqa: E402
+from _common import (ReferenceRanks, Row, Timing, barrier_timed, dtorch_cluster,  # noqa: E402
+                     dtorch_rank_settings, main, serve_timings, summarize, take_turns)
 
 WORLD = 4
 CHAIN_OPS = 500
 CHAIN_SHAPE = (256, 64)
 BATCH, DIM, HIDDEN = 32, 64, 256
+MLP_N = 10  # MLP forwards per timed repeat
 
 
 def chain(x):
@@ -47,115 +58,120 @@ def mlp(x, w1, w2, replicate):
     return replicate(F.linear(F.relu(F.linear(x, w1)), w2))
 
 
-# reference: PyTorch DTensor, SPMD ---------------------------------------------------------------
-def _rank_main(rank: int, port: int, repeats: int, queue) -> None:
-    from datetime import timedelta
-
+def values():
+    """The chain input and the MLP's input and weights, the same on both sides."""
     import torch
-    import torch.distributed as dist
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(CHAIN_SHAPE, generator=g), torch.randn(BATCH, DIM, generator=g),
+            torch.randn(HIDDEN, DIM, generator=g), torch.randn(DIM, HIDDEN, generator=g))
+
+
+# reference: PyTorch DTensor, SPMD ---------------------------------------------------------------
+def _rank_main(rank: int, commands, results) -> None:
+    """One reference rank: times ``(workload,)`` commands until it reads None."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(rank_threads(WORLD))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=300))
     mesh = init_device_mesh("cpu", (WORLD,))
-    torch.manual_seed(0)
-    x = distribute_tensor(torch.randn(CHAIN_SHAPE), mesh, [Shard(0)])
-    xin = distribute_tensor(torch.randn(BATCH, DIM), mesh, [Replicate()])
-    w1 = distribute_tensor(torch.randn(HIDDEN, DIM), mesh, [Shard(0)])
-    w2 = distribute_tensor(torch.randn(DIM, HIDDEN), mesh, [Shard(1)])
+    x0, xin, w1, w2 = values()
+    x = distribute_tensor(x0, mesh, [Shard(0)])
+    xin = distribute_tensor(xin, mesh, [Replicate()])
+    w1 = distribute_tensor(w1, mesh, [Shard(0)])
+    w2 = distribute_tensor(w2, mesh, [Shard(1)])
 
     def replicate(t):
         return t.redistribute(mesh, [Replicate()]).to_local() + 0  # waits for the all_reduce
 
-    def timed(fn, n):
+    work = {"chain": (lambda: chain(x), 1), "mlp": (lambda: mlp(xin, w1, w2, replicate), MLP_N)}
+    for fn, _ in work.values():
         fn()  # warm-up
-        return median([barrier_timed(fn, n) for _ in range(repeats)])
-
-    results = torch.tensor([timed(lambda: chain(x), 1),
-                            timed(lambda: mlp(xin, w1, w2, replicate), 10)],
-                           dtype=torch.float64)
-    dist.all_reduce(results, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        queue.put({"chain": results[0].item(), "mlp": results[1].item()})
-    dist.barrier()
-    dist.destroy_process_group()
+    serve_timings(rank, commands, results, lambda cmd: barrier_timed(*work[cmd[0]]))
 
 
-def reference(repeats: int) -> dict:
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(free_port(), repeats, queue), nprocs=WORLD, join=True,
-                       start_method="spawn")
-    return queue.get()
+def plain_torch(repeats: int) -> dict:
+    """``{"chain", "mlp": Timing}``: the same work in plain torch in one process (the chain on
+    one rank's shard, the MLP on the global weights)."""
+    x0, xin, w1, w2 = values()
+    x = x0[:CHAIN_SHAPE[0] // WORLD]
+    work = {"chain": lambda: chain(x), "mlp": lambda: mlp(xin, w1, w2, lambda t: t)}
+    out = {}
+    for name, fn in work.items():
+        fn()
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        out[name] = summarize(runs)
+    return out
 
 
 # dtorch -------------------------------------------------------------------------------------------
-def measure_dtorch(repeats: int) -> dict:
-    """Seconds: controller and end-to-end, for the chain and for one MLP forward."""
+def measure(repeats: int) -> dict:
+    """``{name: Timing}``: dtorch's ``chain``/``mlp`` end to end and ``chain_ctrl``/``mlp_ctrl``
+    (controller only), the reference's ``ref_chain``/``ref_mlp``."""
     import torch
 
     import dtorch
     from dtorch import Replicate, Shard, init_device_mesh
     from dtorch.runtime import session
-    dtorch.init(n_workers=WORLD)
-    try:
+    with dtorch_cluster(WORLD), ReferenceRanks(_rank_main, WORLD, dtorch_rank_settings(),
+                                               "op_overhead") as ref:
         c = session.get_controller()
         mesh = init_device_mesh("cpu", WORLD)
-        dtorch.manual_seed(0)
-        x = dtorch.randn(*CHAIN_SHAPE, device_mesh=mesh, placements=[Shard(0)])
-        xin = dtorch.tensor(torch.randn(BATCH, DIM), device_mesh=mesh, placements=[Replicate()])
-        w1 = dtorch.tensor(torch.randn(HIDDEN, DIM), device_mesh=mesh, placements=[Shard(0)])
-        w2 = dtorch.tensor(torch.randn(DIM, HIDDEN), device_mesh=mesh, placements=[Shard(1)])
+        x0, xin, w1, w2 = values()
+        x = dtorch.tensor(x0, device_mesh=mesh, placements=[Shard(0)])
+        xin = dtorch.tensor(xin, device_mesh=mesh, placements=[Replicate()])
+        w1 = dtorch.tensor(w1, device_mesh=mesh, placements=[Shard(0)])
+        w2 = dtorch.tensor(w2, device_mesh=mesh, placements=[Shard(1)])
 
         def replicate(t):
             return t.redistribute(placements=[Replicate()])
 
-        def timed(fn, n):
-            fn()  # warm-up: fills the signature cache
+        def timed(name, fn, n):
             dtorch.synchronize()
-            ctrl, e2e = [], []
-            for _ in range(repeats):
-                dtorch.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    out = fn()
-                del out
-                c.flush()
-                t1 = time.perf_counter()
-                dtorch.synchronize()
-                t2 = time.perf_counter()
-                ctrl.append((t1 - t0) / n)
-                e2e.append((t2 - t0) / n)
-            return median(ctrl), median(e2e)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = fn()
+            del out
+            c.flush()
+            t1 = time.perf_counter()
+            dtorch.synchronize()
+            t2 = time.perf_counter()
+            return {name: (t2 - t0) / n, name + "_ctrl": (t1 - t0) / n}
 
-        chain_ctrl, chain_e2e = timed(lambda: chain(x), 1)
-        mlp_ctrl, mlp_e2e = timed(lambda: mlp(xin, w1, w2, replicate), 10)
-        check = (chain(x).to_torch(), mlp(xin, w1, w2, replicate).to_torch())
-        assert all(torch.isfinite(t).all() for t in check)
-    finally:
-        dtorch.shutdown()
-    return {"chain_ctrl": chain_ctrl, "chain_e2e": chain_e2e, "mlp_ctrl": mlp_ctrl,
-            "mlp_e2e": mlp_e2e}
+        work = {"chain": (lambda: chain(x), 1),
+                "mlp": (lambda: mlp(xin, w1, w2, replicate), MLP_N)}
+        for name, (fn, n) in work.items():  # warm-up: fills the signature cache
+            timed(name, fn, 1)
+        got = take_turns(repeats, lambda: {"ref_chain": ref.ask("chain")},
+                         lambda: timed("chain", *work["chain"]),
+                         lambda: {"ref_mlp": ref.ask("mlp")}, lambda: timed("mlp", *work["mlp"]))
+        want = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(
+            values()[1], values()[2])), values()[3])
+        assert torch.allclose(mlp(xin, w1, w2, replicate).to_torch(), want, atol=1e-4)
+    return got
 
 
 def run(quick: bool = False) -> list[Row]:
-    repeats = 3 if quick else 7
-    print("[op_overhead] reference: PyTorch DTensor, SPMD on 4 processes ...", flush=True)
-    ref = reference(repeats)
-    print("[op_overhead] dtorch ...", flush=True)
-    got = measure_dtorch(repeats)
-    per_op = ref["chain"] / CHAIN_OPS
+    repeats = 3 if quick else 9
+    print("[op_overhead] dtorch and PyTorch DTensor (SPMD, 4 processes) taking turns ...",
+          flush=True)
+    got = measure(repeats)
+    plain = plain_torch(repeats)
+    per_op = lambda t: Timing(*(v / CHAIN_OPS for v in t[:3]), t.n)  # noqa: E731
     return [
-        Row("controller cost per op (chain)", got["chain_ctrl"] / CHAIN_OPS, per_op, 0.2,
-            "dtorch issue + batch shipping vs PyTorch DTensor per op"),
-        Row(f"chain of {CHAIN_OPS} ops, end to end", got["chain_e2e"], ref["chain"], 1.0,
-            f"{got['chain_e2e'] / CHAIN_OPS * 1e6:.1f} us/op vs {per_op * 1e6:.1f} us/op"),
-        Row("MLP forward: controller", got["mlp_ctrl"], ref["mlp"], 1.0,
-            "info: 5 ops + 1 all_reduce issued"),
-        Row("MLP forward: end to end", got["mlp_e2e"], ref["mlp"], 1.0, "info"),
+        Row.timed(f"chain of {CHAIN_OPS} ops, end to end", got["chain"], got["ref_chain"], 1.0,
+                  f"{got['chain'].median / CHAIN_OPS * 1e6:.1f} us/op vs PyTorch DTensor "
+                  f"{got['ref_chain'].median / CHAIN_OPS * 1e6:.1f} us/op"),
+        Row.timed("MLP forward, end to end", got["mlp"], got["ref_mlp"], None,
+                  "info: 5 ops + 1 all_reduce vs PyTorch DTensor"),
+        Row.timed("controller only: cost per op (chain)", per_op(got["chain_ctrl"]),
+                  per_op(plain["chain"]), None,
+                  "dtorch's controller issuing + shipping one op vs the op in plain torch in "
+                  "one process (one rank's shard); not a whole-job comparison"),
+        Row.timed("controller only: MLP forward", got["mlp_ctrl"], plain["mlp"], None,
+                  "dtorch's controller per forward vs the forward in plain torch in one "
+                  "process; not a whole-job comparison"),
     ]
 
 

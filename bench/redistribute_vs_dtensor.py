@@ -48,10 +48,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, barrier_timed, check_same_settings,  # noqa: E402
-                     dtorch_cluster, dtorch_rank_settings, fmt_bytes, gathered_rank_settings,
-                     join_reference_group, main, matrix_shape, median, redistribute_turns,
-                     serve_timings, time_redistribute)
+from _common import (ReferenceRanks, Row, barrier_timed, dtorch_cluster,  # noqa: E402
+                     dtorch_rank_settings, fmt_bytes, fmt_s, main, matrix_shape, median,
+                     redistribute_turns, serve_timings, time_redistribute)
 
 WORLD = int(os.environ.get("BENCH_WORLD", 4))
 KB, MB = 1 << 10, 1 << 20
@@ -106,21 +105,21 @@ def _dtensor_op(move: tuple, nbytes: int, mesh):
 
 
 def _raw_ops(move: tuple, nbytes: int, rank: int):
-    """(raw torch's whole move on preallocated buffers, the bare collective or None), on the
-    default process group of WORLD ranks."""
+    """(raw torch's whole move on preallocated buffers, the bare collective or None, the
+    torch.distributed call dtorch's ranks make for it or None), on the default process group
+    of WORLD ranks."""
     import torch
     import torch.distributed as dist
     _, _, dst, coll = move
     rows, cols = matrix_shape(nbytes)
-    # torch 2.13 names of the flat collectives (dtorch gathers even shards on gloo with
-    # ProcessGroup.allgather_coalesced instead, the flag beside the shard in the same call)
+    # torch 2.13 names of the flat collectives
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     elems, k = rows * cols, rows // WORLD
     if coll == "all_gather":
         inp, out = torch.ones(elems // WORLD), torch.empty(elems)
         bare = lambda: gather(out, inp)  # noqa: E731
-        return bare, bare
+        return bare, bare, _dtorch_gather(k, cols)
     if coll == "all_to_all":  # the column blocks are packed into one contiguous send buffer
         local = torch.ones(k, cols)
         inp, out = torch.empty(elems // WORLD), torch.empty(elems // WORLD)
@@ -129,40 +128,69 @@ def _raw_ops(move: tuple, nbytes: int, rank: int):
         def whole():
             inp.view(blocks.shape).copy_(blocks)
             dist.all_to_all_single(out, inp)
-        return whole, lambda: dist.all_to_all_single(out, inp)
+        return whole, lambda: dist.all_to_all_single(out, inp), _dtorch_all_to_all(k, cols)
     if coll == "all_reduce":  # out of place: the input stays as it was
         inp, buf = torch.ones(elems), torch.empty(elems)
 
         def whole():
             buf.copy_(inp)
             dist.all_reduce(buf)
-        return whole, lambda: dist.all_reduce(buf)
+        return whole, lambda: dist.all_reduce(buf), _dtorch_all_reduce(elems)
     if coll == "reduce_scatter":
         inp, out = torch.ones(elems), torch.empty(elems // WORLD)
         bare = lambda: scatter(out, inp)  # noqa: E731
-        return bare, bare
+        return bare, bare, _dtorch_all_reduce(elems)  # gloo: dtorch reduces, keeps its piece
     full = torch.ones(rows, cols)
     if dst == "S0":  # Replicate -> Shard(0): this rank's row block, as its own tensor
         out = torch.empty(k, cols)
-        return lambda: out.copy_(full[rank * k:(rank + 1) * k]), None
+        return lambda: out.copy_(full[rank * k:(rank + 1) * k]), None, None
     buf = torch.empty(rows, cols)  # Replicate -> Partial(sum): rank 0 keeps it, zeros elsewhere
-    return ((lambda: None) if rank == 0 else buf.zero_), None
+    return ((lambda: None) if rank == 0 else buf.zero_), None, None
+
+
+# the torch.distributed call each of dtorch's steps makes (dtorch/runtime/collectives.py), the
+# poison flag inside, on preallocated buffers: the floor of what dtorch's ranks can take
+def _dtorch_gather(k: int, cols: int):
+    """Even shards on gloo: one ProcessGroup.allgather_coalesced of [shard, flag], each block
+    written straight into the result."""
+    import torch
+    import torch.distributed as dist
+    pg = dist.distributed_c10d._get_default_group()
+    shard, flag = torch.ones(k, cols), torch.zeros(1)
+    result, flags = torch.empty(WORLD * k, cols), torch.empty(WORLD)
+    outputs = [[result[j * k:(j + 1) * k], flags[j:j + 1]] for j in range(WORLD)]
+    return lambda: pg.allgather_coalesced(outputs, [shard, flag]).wait()
+
+
+def _dtorch_all_to_all(k: int, cols: int):
+    """One all_to_all_single of WORLD rows, each a piece and its flag (rows of 64 bytes)."""
+    import torch
+    import torch.distributed as dist
+    from dtorch.runtime.poison_flag import flagged_row
+    row = flagged_row(k * (cols // WORLD), torch.float32)
+    send, received = torch.ones(WORLD, row), torch.empty(WORLD, row)
+    return lambda: dist.all_to_all_single(received, send)
+
+
+def _dtorch_all_reduce(elems: int):
+    """One all_reduce of the shard and its flag element (also gloo's reduce_scatter path)."""
+    import torch
+    import torch.distributed as dist
+    buf = torch.ones(elems + 1)
+    return lambda: dist.all_reduce(buf)
 
 
 def _reference_ops(move: tuple, nbytes: int, mesh, rank: int):
     """(DTensor redistribute, raw torch's whole move on preallocated buffers, bare collective
-    or None). Every op finishes its work before it returns."""
+    or None, dtorch's call in plain torch or None). Every op finishes before it returns."""
     return (_dtensor_op(move, nbytes, mesh), *_raw_ops(move, nbytes, rank))
 
 
-def _rank_main(rank: int, port: int, commands, results) -> None:
-    """One reference rank: times ``(move, bytes, n)`` commands until it reads None."""
+def _rank_main(rank: int, commands, results) -> None:
+    """One reference rank (in the gloo group): times ``(move, bytes, n)`` commands until it
+    reads None."""
     from torch.distributed.device_mesh import init_device_mesh
-    join_reference_group(rank, port, WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
-    every = gathered_rank_settings(WORLD)
-    if rank == 0:
-        results.put(every)
     ops, current = None, None
 
     def timed(cmd):
@@ -183,50 +211,41 @@ def _rank_main(rank: int, port: int, commands, results) -> None:
 
 
 class MoveRanks(ReferenceRanks):
-    """WORLD plain torch processes, spawned with ``settings``, that time one case on command."""
+    """WORLD plain torch processes, spawned with dtorch's rank ``settings``, that time one
+    case on command."""
 
     def __init__(self, settings: dict):
-        super().__init__(_rank_main, WORLD, settings)
-        self.settings = self.get()  # each rank's rank_settings(), in rank order
+        super().__init__(_rank_main, WORLD, settings, "redistribute_vs_dtensor")
 
     def time(self, move: tuple, nbytes: int, n: int) -> dict:
         """Seconds per op: ``dt`` (DTensor), ``whole`` (raw whole move), ``bare`` (the bare
-        collective; absent where the move has none)."""
-        dt, whole, bare = self.ask(move, nbytes, n)
-        return {"dt": dt, "whole": whole, **({"bare": bare} if bare >= 0 else {})}
+        collective) and ``calls`` (dtorch's own call in plain torch); the last two absent
+        where the move has no collective."""
+        dt, whole, bare, calls = self.ask(move, nbytes, n)
+        return {"dt": dt, "whole": whole,
+                **({"bare": bare, "calls": calls} if bare >= 0 else {})}
 
 
 # dtorch -------------------------------------------------------------------------------------------
-def _check_settings(ours: dict, theirs: list[dict]) -> None:
-    print("[redistribute_vs_dtensor] rank settings, dtorch's ranks and the reference ranks alike:")
-    for k, v in ours.items():
-        print(f"    {k}={v}")
-    if "MALLOC_TRIM_THRESHOLD_" not in ours:
-        print("    (no MALLOC_* variable: glibc's default, adaptive mmap threshold)")
-    check_same_settings(ours, theirs)
-
-
 def measure(todo, repeats: int) -> dict:
-    """``{(label, bytes): (dtorch s, DTensor s, raw whole move s, bare collective s or None)}``."""
+    """``{(label, bytes): {"dtorch", "dt", "whole"[, "bare", "calls"]: Timing}}``."""
     import dtorch
     from dtorch import Partial, Replicate, Shard, init_device_mesh
     place = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
     out = {}
     with dtorch_cluster(WORLD):
-        settings = dtorch_rank_settings()
-        with MoveRanks(settings) as ref:
-            _check_settings(settings, ref.settings)
+        with MoveRanks(dtorch_rank_settings()) as ref:
             mesh = init_device_mesh("cpu", WORLD)
             for move, nbytes, n in todo:
                 label, src, dst, _ = move
-                r = redistribute_turns(repeats, lambda: ref.time(move, nbytes, n), mesh,
-                                       nbytes, place[src], place[dst], n)
-                ours, dt, whole, bare = r["dtorch"], r["dt"], r["whole"], r.get("bare")
-                out[(label, nbytes)] = (ours, dt, whole, bare)
+                r = out[(label, nbytes)] = redistribute_turns(
+                    repeats, lambda: ref.time(move, nbytes, n), mesh, nbytes, place[src],
+                    place[dst], n)
+                ms = {k: f"{v.median * 1e3:.2f} ms" for k, v in r.items()}
                 print(f"[redistribute_vs_dtensor] {label} {fmt_bytes(nbytes)}: dtorch "
-                      f"{ours * 1e3:.2f} ms, DTensor {dt * 1e3:.2f} ms, raw move "
-                      f"{whole * 1e3:.2f} ms" + (f", bare {bare * 1e3:.2f} ms" if bare else ""),
-                      flush=True)
+                      f"{ms['dtorch']}, DTensor {ms['dt']}, raw move {ms['whole']}"
+                      + (f", bare {ms['bare']}, dtorch's call {ms['calls']}" if "bare" in r
+                         else ""), flush=True)
             dtorch.synchronize()
     return out
 
@@ -238,15 +257,18 @@ def run(quick: bool = False) -> list[Row]:
     got = measure(todo, 3 if quick else 7)
     rows = []
     for (label, _, _, coll), nbytes, n in todo:
-        ours, dt, whole, bare = got[(label, nbytes)]
+        r = got[(label, nbytes)]
+        ours = r["dtorch"].median
         name = f"redistribute {label} {fmt_bytes(nbytes)}"
-        floor = (f"floor: dtorch {ours / bare:.2f}x, DTensor {dt / bare:.2f}x the bare {coll}"
-                 if bare else "no collective")
-        rows.append(Row(f"{name} vs DTensor", ours, dt, VS_DTENSOR, floor + (
+        floor = (f"floors: bare {coll} {fmt_s(r['bare'].median).strip()} (dtorch "
+                 f"{ours / r['bare'].median:.2f}x, DTensor {r['dt'].median / r['bare'].median:.2f}x), "
+                 f"dtorch's own call in plain torch {fmt_s(r['calls'].median).strip()} (dtorch "
+                 f"{ours / r['calls'].median:.2f}x)" if "bare" in r else "no collective")
+        rows.append(Row.timed(f"{name} vs DTensor", r["dtorch"], r["dt"], VS_DTENSOR, floor + (
             "" if nbytes >= DTENSOR_FROM else "; info only, target from 1 MB")))
-        rows.append(Row(f"{name} vs raw move", ours, whole, VS_RAW,
-                        "raw torch: the whole move on preallocated buffers" + (
-                            "" if nbytes >= RAW_FROM else "; info only, target from 16 MB")))
+        rows.append(Row.timed(f"{name} vs raw move", r["dtorch"], r["whole"], VS_RAW,
+                              "raw torch: the whole move on preallocated buffers" + (
+                                  "" if nbytes >= RAW_FROM else "; info only, target from 16 MB")))
     return rows
 
 
@@ -288,7 +310,7 @@ def _in_worker(move: tuple, nbytes: int, n: int) -> tuple:
     """In a rank process (Dask's event-loop thread, the interpreter idle): raw torch's whole
     move and the bare collective on preallocated buffers, timed like the reference ranks."""
     import torch.distributed as dist
-    ops = _raw_ops(move, nbytes, dist.get_rank())
+    ops = _raw_ops(move, nbytes, dist.get_rank())[:2]
     for op in ops:
         if op is not None:
             op()

@@ -8,8 +8,9 @@ the same torch.manual_seed weights on both sides), tensor parallel on 4 CPU rank
   on a ``("tp",)`` mesh of 4 ranks, ``load_state_dict`` of the torch model; the input Replicate.
 - reference: the torch model in each of 4 spawned processes, ``parallelize_module(model,
   mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})`` (its output is all-reduced to
-  Replicate, a plain tensor), the same torch thread count per rank
-  (``_common.rank_threads``).
+  Replicate, a plain tensor), spawned after the dtorch cluster with its rank processes'
+  allocator, huge-page and thread settings, which they must report back the same
+  (``_common.ReferenceRanks``).
 
 Each forward runs once (one all_reduce) and takes the previous output as input
 (``y = mlp(y)``, ``CHAIN`` times), so both sides run them one after another and nothing is
@@ -29,7 +30,7 @@ left in flight. Timed:
   each rank runs per forward.
 
 dtorch and the reference stay up for the whole run and take turns, one timed repeat each;
-medians. The first forward's output is compared between the two (same values). Target:
+medians and interquartile ranges. The first forward's output is compared between the two (same values). Target:
 dtorch end to end at most 1.0x the reference.
 
     .venv/bin/python bench/tp_mlp_vs_dtensor.py [--quick]
@@ -43,7 +44,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (ReferenceRanks, Row, barrier_timed, dtorch_cluster,  # noqa: E402
-                     join_reference_group, main, serve_timings, take_turns)
+                     dtorch_rank_settings, main, serve_timings, take_turns)
 
 WORLD = 4
 D, HIDDEN = 512, 2048
@@ -65,15 +66,15 @@ def inputs(batch: int):
 
 
 # reference: PyTorch DTensor, parallelize_module, SPMD -------------------------------------------
-def _rank_main(rank: int, port: int, commands, results) -> None:
-    """One reference rank: times ``(batch, chain)`` commands until it reads None."""
+def _rank_main(rank: int, commands, results) -> None:
+    """One reference rank (in the gloo group): times ``(batch, chain)`` commands until it reads
+    None."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
-    join_reference_group(rank, port, WORLD)
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     model = parallelize_module(torch_mlp(), mesh, {"0": ColwiseParallel(),
                                                    "2": RowwiseParallel()})
@@ -120,10 +121,11 @@ def _rank_main(rank: int, port: int, commands, results) -> None:
 
 
 class MlpRanks(ReferenceRanks):
-    """4 plain torch processes running the parallelized MLP on command."""
+    """4 plain torch processes, spawned with dtorch's rank ``settings``, running the
+    parallelized MLP on command."""
 
-    def __init__(self):
-        super().__init__(_rank_main, WORLD)
+    def __init__(self, settings: dict):
+        super().__init__(_rank_main, WORLD, settings, "tp_mlp")
         self.first = self.get()  # {batch: output of one forward}
 
     def time(self, batch: int, n: int) -> dict:
@@ -146,16 +148,16 @@ def dtorch_mlp(mesh):
 
 
 def measure(repeats: int) -> dict:
-    """``{batch: {name: seconds}}`` (medians): dtorch ``e2e``, ``ctrl``, ``one``, ``coll``
+    """``{batch: {name: Timing}}``: dtorch ``e2e``, ``ctrl``, ``one``, ``coll``
     (its all_reduce alone), ``sync`` (an empty round trip); the reference's ``ref_e2e``,
-    ``ref_one`` and parts ``ref_local``, ``ref_ar``, ``ref_step``; ``instr`` per forward."""
+    ``ref_one`` and parts ``ref_local``, ``ref_ar``, ``ref_step``."""
     import torch
 
     import dtorch
     from dtorch import Partial, Replicate, init_device_mesh
     from dtorch.runtime import session
     out = {}
-    with MlpRanks() as ref, dtorch_cluster(WORLD):
+    with dtorch_cluster(WORLD), MlpRanks(dtorch_rank_settings()) as ref:
         c = session.get_controller()
         mesh = init_device_mesh("cpu", WORLD, mesh_dim_names=("tp",))
         mlp = dtorch_mlp(mesh)
@@ -209,8 +211,9 @@ def measure(repeats: int) -> dict:
                 return {"e2e": e2e, "ctrl": ctrl, "one": one(), "coll": collective(CHAIN),
                         "sync": sync()}
 
-            r = out[batch] = take_turns(repeats, lambda: ref.time(batch, CHAIN), dtorch_turn)
-            r["instr"] = instr
+            timings = out[batch] = take_turns(repeats, lambda: ref.time(batch, CHAIN),
+                                              dtorch_turn)
+            r = {k: v.median for k, v in timings.items()}
             print(f"[tp_mlp] batch {batch}: dtorch {r['e2e'] * 1e3:.2f} ms/forward "
                   f"(controller {r['ctrl'] * 1e6:.0f} us), DTensor {r['ref_e2e'] * 1e3:.2f} ms; "
                   f"one forward to a value {r['one'] * 1e3:.2f} vs {r['ref_one'] * 1e3:.2f} ms",
@@ -230,15 +233,17 @@ def run(quick: bool = False) -> list[Row]:
     got = measure(3 if quick else 9)
     rows = []
     for batch in BATCHES:
-        r = got[batch]
-        rows.append(Row(f"TP MLP forward batch {batch}, end to end", r["e2e"], r["ref_e2e"],
-                        TARGET, f"chain of {CHAIN} forwards, 1 all_reduce each; controller "
-                                f"{r['ctrl'] * 1e6:.0f} us/forward; parts: local matmuls "
-                                f"{r['ref_local'] * 1e3:.2f} ms, all_reduce bare "
-                                f"{r['ref_ar'] * 1e3:.2f} / dtorch {r['coll'] * 1e3:.2f} ms, "
-                                f"round trip {r['sync'] * 1e3:.2f} ms"))
-        rows.append(Row(f"TP MLP forward batch {batch}, one forward to a value", r["one"],
-                        r["ref_one"], TARGET, "info: includes the round trip to the ranks"))
+        t = got[batch]
+        r = {k: v.median for k, v in t.items()}
+        rows.append(Row.timed(f"TP MLP forward batch {batch}, end to end", t["e2e"], t["ref_e2e"],
+                              TARGET, f"chain of {CHAIN} forwards, 1 all_reduce each; controller "
+                                      f"{r['ctrl'] * 1e6:.0f} us/forward; parts: local matmuls "
+                                      f"{r['ref_local'] * 1e3:.2f} ms, all_reduce bare "
+                                      f"{r['ref_ar'] * 1e3:.2f} / dtorch {r['coll'] * 1e3:.2f} ms"
+                                      f", round trip {r['sync'] * 1e3:.2f} ms"))
+        rows.append(Row.timed(f"TP MLP forward batch {batch}, one forward to a value", t["one"],
+                              t["ref_one"], None, "info: dtorch's includes reading the value on "
+                              "the controller; the reference's ends at a barrier in the ranks"))
     return rows
 
 
