@@ -245,7 +245,7 @@ def test_input_placement_checks_name_the_expected_placement(dp_tp):
     s = dtorch.distribute_tensor(torch.randn(2, 4), dp_tp, [R, Shard(1)])
     ids = dtorch.distribute_tensor(torch.arange(4), dp_tp, [R, Shard(0)])
     c = session.get_controller()
-    before = len(c._pending)
+    before = c.issued
     with pytest.raises(PlacementError, match=r"RowParallelLinear expects its input to be "
                                              r"Shard\(1\) on mesh dim 'tp'.*but it is Replicate"):
         row(x)
@@ -254,7 +254,7 @@ def test_input_placement_checks_name_the_expected_placement(dp_tp):
         col(s)
     with pytest.raises(PlacementError, match="indices to be Replicate on mesh dim 'tp'"):
         emb(ids)
-    assert len(c._pending) == before  # nothing was sent for the refused calls
+    assert c.issued == before  # nothing was sent for the refused calls
     y = nn.ColumnParallelLinearWithReplicateInputOutput(4, 6, device_mesh=dp_tp)(s)
     assert y.placements == (R, R)
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import DeviceMesh, Partial, Replicate, Shard
+from test_ops_support import make
 
 R = Replicate()
 SMALL, LARGE = 8, 1 << 16  # features: 32 bytes a row, or 256 KiB a row (1 MiB in all)
@@ -50,15 +51,33 @@ def dist_calls() -> dict:
     return {s["rank"]: s["dist_calls"] for s in dtorch.rank_stats()}
 
 
-def source(value, mesh, src):
-    """``value`` laid out as ``src`` (a Partial: rank 0 holds it all, the others zeros, or for
-    max/min every rank holds it)."""
+def random_values(shape, dtype, generator) -> torch.Tensor:
+    """Small integer values in ``dtype`` (random bools for bool): sums of four of them are
+    exact in every dtype tested, so a reduction can be compared exactly."""
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=generator) > 0.5
+    real = torch.randint(-8, 9, shape, generator=generator)
+    if dtype.is_complex:
+        return torch.complex(real.float(), torch.randint(-8, 9, shape, generator=generator)
+                             .float()).to(dtype)
+    return real.to(dtype)
+
+
+REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def source(shape, dtype, mesh, src, seed: int = 0):
+    """``(DTensor laid out as src, its global value)``. A Partial gets random shares on every
+    rank, so a reduction that returned one rank's share would be caught."""
+    g = torch.Generator().manual_seed(seed)
     if isinstance(src[0], Partial):
-        zeros = torch.zeros_like(value)
-        spread = src[0].reduce_op in ("max", "min")
-        return dtorch.from_local([value] + [value if spread else zeros] * (mesh.size() - 1),
-                                 mesh, src)
-    return dtorch.tensor(value, device_mesh=mesh, placements=src)
+        shares = [random_values(shape, dtype, g) for _ in range(mesh.size())]
+        value = shares[0]
+        for share in shares[1:]:
+            value = REDUCE[src[0].reduce_op](value, share)
+        return dtorch.from_local(shares, mesh, src), value
+    value = random_values(shape, dtype, g)
+    return dtorch.tensor(value, device_mesh=mesh, placements=src), value
 
 
 POISON_MOVES = MOVES[:-1] + [([Partial("min")], [Shard(0)], "reduce_scatter")]
@@ -93,18 +112,21 @@ def test_a_failure_reaches_the_other_mesh_through_send_recv(mesh1d):
         dtorch.synchronize()
 
 
-@pytest.mark.parametrize("src, dst, kind", MOVES, ids=IDS)
-@pytest.mark.parametrize("shape", [(4, SMALL), (4, LARGE), (6, 10), (3, 5, 7)],
-                         ids=["small", "large", "uneven", "3d-uneven"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.int8, torch.complex64,
-                                   torch.bfloat16], ids=["f32", "bool", "i8", "c64", "bf16"])
-def test_a_change_of_placement_is_one_collective_per_rank(mesh1d, src, dst, kind, shape,
-                                                          dtype):
-    if dtype.is_complex and isinstance(src[0], Partial) and src[0].reduce_op != "sum":
-        pytest.skip("complex numbers have no max/min")
-    value = (torch.randn(shape) * 4).to(dtype) if dtype != torch.bool else \
-        torch.rand(shape) > 0.5
-    x = source(value, mesh1d, src)
+DTYPES = {"f32": torch.float32, "bool": torch.bool, "i8": torch.int8, "i16": torch.int16,
+          "c64": torch.complex64, "bf16": torch.bfloat16}  # gloo carries int16 as int32
+SHAPES = {"small": (4, SMALL), "large": (4, LARGE), "uneven": (6, 10), "3d-uneven": (3, 5, 7)}
+ONE_COLLECTIVE_CASES = [  # complex numbers have no max/min: those moves are not cases
+    pytest.param(move, shape, dtype, id=f"{IDS[i]}-{sname}-{dname}")
+    for i, move in enumerate(MOVES) for sname, shape in SHAPES.items()
+    for dname, dtype in DTYPES.items()
+    if not (dtype.is_complex and isinstance(move[0][0], Partial) and
+            move[0][0].reduce_op != "sum")]
+
+
+@pytest.mark.parametrize("move, shape, dtype", ONE_COLLECTIVE_CASES)
+def test_a_change_of_placement_is_one_collective_per_rank(mesh1d, move, shape, dtype):
+    src, dst, kind = move
+    x, value = source(shape, dtype, mesh1d, src)
     before = dist_calls()
     y = x.redistribute(placements=dst)
     after = dist_calls()
@@ -117,12 +139,7 @@ def test_a_change_of_placement_is_one_collective_per_rank(mesh1d, src, dst, kind
                          ids=["tp:S(0)->R", "dp:S(1)->S(0)", "dp:P->R"])
 def test_a_move_on_one_mesh_dim_is_one_collective_per_rank_of_the_2d_mesh(mesh2d, src, dst):
     value = torch.randn(8, 1 << 14)
-    if isinstance(src[0], Partial):
-        x = dtorch.tensor(value, device_mesh=mesh2d, placements=[R, Shard(1)])
-        x = dtorch.from_local([x.to_local(r) / 2 for r in range(4)], mesh2d, src,
-                              shape=value.shape)
-    else:
-        x = dtorch.tensor(value, device_mesh=mesh2d, placements=src)
+    x = make(value, mesh2d, src)  # a Partial: random shares on every rank
     before = dist_calls()
     y = x.redistribute(placements=dst)
     after = dist_calls()
@@ -132,9 +149,10 @@ def test_a_move_on_one_mesh_dim_is_one_collective_per_rank_of_the_2d_mesh(mesh2d
 
 def test_uint8_sums_wrap_as_torch_does_in_one_collective(mesh1d):
     """uint8 sums wrap modulo 256 as torch's do; the flag rides in the same all_reduce."""
-    locals_ = [torch.full((4, 3), 200, dtype=torch.uint8)] * 4
+    locals_ = [torch.full((4, 3), v, dtype=torch.uint8) for v in (200, 100, 37, 255)]
     x = dtorch.from_local(locals_, mesh1d, [Partial()])
     before = dist_calls()
     y = x.redistribute(placements=[R])
-    assert torch.equal(y.to_torch(), sum(locals_[1:], locals_[0]))
+    assert torch.equal(y.to_torch(), torch.full((4, 3), (200 + 100 + 37 + 255) % 256,
+                                                dtype=torch.uint8))
     assert {r: n - before[r] for r, n in dist_calls().items()} == {r: 1 for r in range(4)}

@@ -17,11 +17,6 @@ from dtorch.runtime.controller import Controller
 from dtorch.runtime.interrupts import interrupts_held, sigint_handlers
 
 
-def stream_position():
-    c = session.get_controller()
-    return c.flushes, len(c._pending)
-
-
 def complex_max_partial(mesh):
     """A real op gloo cannot run: MAX over complex numbers fails inside every rank."""
     parts = [torch.ones(2, dtype=torch.complex64)] * mesh.size()
@@ -55,34 +50,54 @@ def test_poisoned_inputs_poison_outputs_but_peers_finish(mesh1d):
     assert good.redistribute(placements=[Replicate()]).to_torch().tolist() == [1.0] * 4
 
 
-@pytest.mark.parametrize("make, error, words", [
-    (lambda: dtorch.zeros(4, device_mesh=DeviceMesh("cpu", [0, 1, 2, 3, 4, 5])),
-     dtorch.ClusterError, "cluster has 4 ranks"),
-    (lambda: dtorch.zeros(4, device_mesh=init_device_mesh("cpu", 4),
-                          placements=[Shard(0), Shard(0)]),
-     dtorch.PlacementValueError, "one placement per mesh dim"),
-    (lambda: dtorch.zeros(4, 4, device_mesh=init_device_mesh("cpu", 4), placements=[Shard(2)]),
-     dtorch.PlacementValueError, "out of range"),
-    (lambda: dtorch.tensor(torch.ones(3), device_mesh=init_device_mesh("cpu", 4),
-                           placements=[Partial("mean")]),
-     dtorch.PlacementValueError, "sum, avg, max, min"),
-    (lambda: dtorch.zeros(4, device_mesh=DeviceMesh("cuda", [0, 1])),
-     dtorch.ClusterError, "device_type='cpu'"),
-    (lambda: dtorch.zeros(2, 2, device_mesh=init_device_mesh("cpu", (2, 2), ("a", "b")))
-     .check_placement("tp", Replicate()), dtorch.MeshError, "no dim named 'tp'"),
-    (lambda: dtorch.zeros(6, device_mesh=init_device_mesh("cpu", 4), placements=[Shard(0)])
-     .redistribute(device_mesh=init_device_mesh("cpu", (2, 2))), dtorch.PlacementValueError,
-     "same shape"),
-], ids=["mesh-too-big", "placement-count", "shard-dim", "reduce-op", "device-type",
-        "mesh-dim-name", "mesh-shape"])
-def test_bad_input_raises_before_anything_is_sent(live, make, error, words):
+def _nothing(mesh4, mesh22):
+    return None
+
+
+# (what the bad call needs, built and sent first; the bad call; the error; words it must say)
+BAD_INPUTS = {
+    "mesh-too-big": (_nothing, lambda _: dtorch.zeros(4, device_mesh=DeviceMesh(
+        "cpu", [0, 1, 2, 3, 4, 5])), dtorch.ClusterError, "cluster has 4 ranks"),
+    "placement-count": (_nothing, lambda _: dtorch.zeros(4, device_mesh=init_device_mesh(
+        "cpu", 4), placements=[Shard(0), Shard(0)]), dtorch.PlacementValueError,
+        "one placement per mesh dim"),
+    "shard-dim": (_nothing, lambda _: dtorch.zeros(4, 4, device_mesh=init_device_mesh("cpu", 4),
+                                                   placements=[Shard(2)]),
+                  dtorch.PlacementValueError, "out of range"),
+    "reduce-op": (_nothing, lambda _: dtorch.tensor(torch.ones(3), device_mesh=init_device_mesh(
+        "cpu", 4), placements=[Partial("mean")]), dtorch.PlacementValueError,
+        "sum, avg, max, min"),
+    "device-type": (_nothing, lambda _: dtorch.zeros(4, device_mesh=DeviceMesh("cuda", [0, 1])),
+                    dtorch.ClusterError, "device_type='cpu'"),
+    "mesh-dim-name": (lambda m4, m22: dtorch.zeros(2, 2, device_mesh=m22),
+                      lambda x: x.check_placement("tp", Replicate()), dtorch.MeshError,
+                      "no dim named 'tp'"),
+    "mesh-shape": (lambda m4, m22: dtorch.zeros(6, device_mesh=m4, placements=[Shard(0)]),
+                   lambda x: x.redistribute(device_mesh=init_device_mesh("cpu", (2, 2))),
+                   dtorch.PlacementValueError, "same shape"),
+    "op-placements": (lambda m4, m22: dtorch.zeros(4, 4, device_mesh=m4, placements=[Shard(1)]),
+                      lambda x: x.softmax(1), dtorch.PlacementError, "redistribute"),
+}
+
+
+def instructions_run() -> dict:
+    """``{rank: instructions executed}``, from the workers' own counts, once every rank has
+    run all that was issued (the ``Sync`` this needs is one instruction on each rank)."""
     dtorch.synchronize()
-    before = stream_position()
+    return {s["rank"]: s["instructions"] for s in dtorch.rank_stats()}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_raises_before_anything_is_sent(live, name):
+    setup, bad, error, words = BAD_INPUTS[name]
+    made = setup(init_device_mesh("cpu", 4), init_device_mesh("cpu", (2, 2), ("a", "b")))
+    gc.collect()
+    before = instructions_run()
     with pytest.raises(error, match=words):
-        make()
-    seq, pending = stream_position()
-    # building a valid tensor on the way may queue instructions; none for the bad call itself
-    assert seq == before[0]
+        bad(made)
+    after = instructions_run()
+    # the ranks ran exactly the one Sync of instructions_run(): nothing of the bad call
+    assert {r: n - before[r] for r, n in after.items()} == {r: 1 for r in before}
 
 
 def test_freed_and_stale_tensors_raise(live):

@@ -1,8 +1,9 @@
 """Casts: ``x.to(dtype)``, ``x.float()``, ``x.half()``, ``x.type_as(y)``: placements kept.
 
 A Partial input stays Partial when the cast commutes with its reduction: float -> float for
-``sum``/``avg`` (an int cast would round each partial), any monotone cast (not to bool) for
-``max``/``min``. The device is the mesh's: ``to("cpu")`` on a cpu mesh is a no-op, another
+``sum``/``avg`` (an int cast would round each partial), a monotone cast for ``max``/``min``
+(to a float type; between integer types that hold every source value; float -> int32/int64,
+which truncates; never to bool, and never a cast that wraps, such as float -> uint8). The device is the mesh's: ``to("cpu")`` on a cpu mesh is a no-op, another
 device raises. Example::
 
     >>> import torch
@@ -10,6 +11,8 @@ device raises. Example::
     torch.float16
     >>> target_dtype(("cpu",), {}, torch.float32)
     torch.float32
+    >>> keeps_order(torch.float32, torch.int64), keeps_order(torch.float32, torch.uint8)
+    (True, False)
 """
 
 from __future__ import annotations
@@ -24,8 +27,24 @@ _METHOD_DTYPES = {"float": torch.float32, "double": torch.float64, "half": torch
                   "bfloat16": torch.bfloat16, "int": torch.int32, "long": torch.int64,
                   "short": torch.int16, "char": torch.int8, "byte": torch.uint8,
                   "bool": torch.bool, "cfloat": torch.complex64, "cdouble": torch.complex128}
-LEGAL = ("placements kept; Partial(sum|avg) only float -> float; Partial(max|min) any cast but "
-         "to bool")
+LEGAL = ("placements kept; Partial(sum|avg) only float -> float; Partial(max|min) only a cast "
+         "that keeps the order of values (to float; to an integer type holding every source "
+         "value; float -> int32/int64)")
+
+
+def keeps_order(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether ``cast(max(a, b)) == max(cast(a), cast(b))`` for every value: the cast is
+    monotone and does not wrap (a max/min Partial may then be cast share by share)."""
+    if dst is torch.bool or src.is_complex:
+        return False
+    if dst.is_floating_point or dst.is_complex:
+        return True
+    if src is torch.bool:
+        return True
+    if src.is_floating_point:
+        return dst in (torch.int32, torch.int64)
+    s, d = torch.iinfo(src), torch.iinfo(dst)
+    return d.min <= s.min and s.max <= d.max
 
 
 def target_dtype(args, kwargs, current):
@@ -57,7 +76,7 @@ def _check_partial(op, src, dst) -> tuple:
         ok = (src.is_floating_point or src.is_complex) and (dst.is_floating_point or
                                                              dst.is_complex)
         if p.reduce_op in ("max", "min"):
-            ok = dst is not torch.bool
+            ok = keeps_order(src, dst)
         if not ok:
             op.fail(m, LEGAL, {op.tensors[0]: with_dim(op.tensors[0].placements, m,
                                                         Replicate())},

@@ -115,9 +115,25 @@ def _pad(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad_shape)], dim)
 
 
+# dtypes gloo (and NCCL) cannot move or reduce, carried as one that can hold every value:
+# a sum wraps the same way once cast back (int16 sums modulo 2**16 as torch's do)
+_WIRE_DTYPES = {torch.bool: torch.uint8, torch.int16: torch.int32, torch.uint16: torch.int32,
+                torch.uint32: torch.int64}
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a collective carries ``dtype`` in.
+
+    >>> wire_dtype(torch.bool), wire_dtype(torch.int16), wire_dtype(torch.float32)
+    (torch.uint8, torch.int32, torch.float32)
+    """
+    return _WIRE_DTYPES.get(dtype, dtype)
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    """gloo has no bool reductions: carry bools as uint8."""
-    return t.to(torch.uint8) if t.dtype == torch.bool else t
+    """``t`` in its wire dtype (bools as uint8: gloo has no bool reductions; int16 as int32)."""
+    wire = wire_dtype(t.dtype)
+    return t if wire == t.dtype else t.to(wire)
 
 
 def _is_gloo(pg) -> bool:
@@ -329,8 +345,7 @@ def send_recv(step, local, ctx, poisoned: bool = False):
             ops.append(dist.P2POp(dist.irecv, flag_in, src))
             coord = ctx.dst_mesh.get_coordinate(dst)
             shape = local_shape(ctx.shape, ctx.dst_mesh, step.after, coord)
-            wire_dtype = torch.uint8 if ctx.dtype == torch.bool else ctx.dtype
-            received = torch.empty(shape, dtype=wire_dtype, device=ctx.device)
+            received = torch.empty(shape, dtype=wire_dtype(ctx.dtype), device=ctx.device)
             if received.numel():
                 ops.append(dist.P2POp(dist.irecv, received, src))
     if ops:

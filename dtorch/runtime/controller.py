@@ -80,6 +80,7 @@ class Controller:
         self._freed: deque[tuple] = deque()  # (tid, ranks) from __del__, drained by flush
         self._seqs = [0] * self.world  # each rank's own batch sequence
         self.flushes = 0  # flushes that shipped something (the kernel's per-cell check)
+        self.issued = 0  # instructions issued so far (tests: a refused call issues none)
         self._interned = InternTable()
         self._known: list[set] = [set()] * self.world  # ids each rank resolves (shared sets)
         self._tids = itertools.count(1)
@@ -104,6 +105,7 @@ class Controller:
             if self._freed:
                 self._pending.extend(self._drain_freed())
             self._pending.append(instr)
+            self.issued += 1
             if len(self._pending) >= self.max_pending:
                 self.flush()
 
