@@ -34,7 +34,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, main, median  # noqa: E402
+from _common import Row, main, median, summarize  # noqa: E402
 
 WORLD = 2
 MICRO = 8
@@ -136,7 +136,7 @@ def measure(quick: bool) -> dict:
         dtorch.shutdown()
     out = {}
     for key, rs in runs.items():
-        wall = median([w for w, _ in rs])
+        wall = summarize([w for w, _ in rs])
         # each rank's share of the window on a core and waiting for a core, median of repeats
         shares = [(median([t[r][0] / w for w, t in rs]), median([t[r][1] / w for w, t in rs]))
                   for r in range(WORLD)]
@@ -150,7 +150,8 @@ def run(quick: bool = False) -> list[Row]:
     print(f"[pipeline] 2 stages x 1 rank, {layers} Linear({width}, {width}) layers, {rows} rows: "
           f"one batch vs {MICRO} micro-batches, taking turns ...", flush=True)
     got = measure(quick)
-    (one, one_t), (pipe, pipe_t) = got["one"], got["pipe"]
+    (one_timing, one_t), (pipe_timing, pipe_t) = got["one"], got["pipe"]
+    one, pipe = one_timing.median, pipe_timing.median
     speedup = one / pipe
     ideal = 2 * MICRO / (MICRO + 1)
     for name, wall, shares in (("one batch", one, one_t),
@@ -165,10 +166,10 @@ def run(quick: bool = False) -> list[Row]:
     wait = "; ".join(f"stage {r} waits {1 - b - q:.0%} for the other stage, {q:.0%} for a core "
                      f"(one batch: {1 - b1 - q1:.0%}, {q1:.0%})"
                      for r, ((b, q), (b1, q1)) in enumerate(zip(pipe_t, one_t)))
-    return [Row(f"pipeline: {MICRO} micro-batches vs one batch (2 stages)", pipe, one,
-                1 / TARGET_SPEEDUP,
-                f"speedup {speedup:.2f}x, target >= {TARGET_SPEEDUP}x, ideal {ideal:.2f}x; "
-                f"{wait}")]
+    return [Row.timed(f"pipeline: {MICRO} micro-batches vs one batch (2 stages)", pipe_timing,
+                      one_timing, 1 / TARGET_SPEEDUP,
+                      f"speedup {speedup:.2f}x, target >= {TARGET_SPEEDUP}x, ideal {ideal:.2f}x; "
+                      f"{wait}")]
 
 
 if __name__ == "__main__":

@@ -1,7 +1,5 @@
 """Run every dtorch benchmark side by side and print one table of ratios (information only).
 
-- ``redistribute_vs_torch.py``: redistribute vs raw torch.distributed, same collective and
-  bytes (target <= 1.15x for 16 MB and up)
 - ``redistribute_vs_dtensor.py``: every transition of the placement table at 1 KB - 64 MB vs
   PyTorch's DTensor ``redistribute`` under SPMD (<= 1.0x from 1 MB), vs raw torch doing the
   whole move on preallocated buffers (<= 1.15x from 16 MB), the bare collective as the floor;
@@ -46,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _common import Row, command, machine, markdown, now, table  # noqa: E402
 
-BENCHES = ("redistribute_vs_torch.py", "redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
+BENCHES = ("redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
            "startup.py", "op_overhead.py", "tp_mlp_vs_dtensor.py", "pipeline.py",
            "llama_vs_dtensor.py", "llama_cp.py", "controller_scaling.py")
 
@@ -56,10 +54,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, few repeats (~1 min)")
     ap.add_argument("--only", nargs="*", choices=BENCHES, help="run only these scripts")
     ap.add_argument("--md", metavar="PATH", help="write the results as Markdown to PATH")
+    ap.add_argument("--json", metavar="PATH", help="write {bench: [rows]} as JSON to PATH")
     args = ap.parse_args()
     started, where, cmd = now(), machine(), command()
     print(f"{cmd}\n{started}\n{where}\n", flush=True)
     rows: list[Row] = []
+    by_bench: dict[str, list] = {}
     failed = []
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,7 +75,8 @@ def main() -> int:
                 failed.append(name)
                 continue
             with open(out) as f:
-                rows += [Row(**r) for r in json.load(f)]
+                by_bench[name] = json.load(f)
+            rows += [Row(**r) for r in by_bench[name]]
     total = time.perf_counter() - t_all
     print(f"== all benchmarks ({'quick' if args.quick else 'full'} mode, {total:.0f} s) ==")
     print(table(rows) if rows else "(no results)")
@@ -90,6 +91,9 @@ def main() -> int:
             if failed:
                 f.write(f"\nFailed to run: {', '.join(failed)}\n")
         print(f"wrote {args.md}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(by_bench, f)
     return 1 if failed else 0
 
 

@@ -9,7 +9,8 @@ launching it until it prints that it holds the first value:
   ``init_process_group("gloo")`` and ``all_reduce`` one element; rank 0 hands the result back
   to the parent through a queue.
 
-Shutting down is not timed (but waited for). Median of 3 runs (``--quick``: 2).
+Shutting down is not timed (but waited for). Median and interquartile range of 3 runs
+(``--quick``: 2), the two taking turns.
 Target: dtorch at most 2x the reference.
 
     .venv/bin/python bench/startup.py [--quick]
@@ -23,7 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, free_port, main, median  # noqa: E402
+from _common import Row, free_port, main, summarize  # noqa: E402
 
 WORLD = 4
 TARGET = 2.0
@@ -101,8 +102,8 @@ def run(quick: bool = False) -> list[Row]:
             times[kind].append(elapsed)
             print(f"[startup] run {i + 1}/{repeats} {kind:6s} {elapsed:6.2f} s  ({detail})",
                   flush=True)
-    return [Row(f"startup to first value ({WORLD} ranks)", median(times["dtorch"]),
-                median(times["torch"]), TARGET)]
+    return [Row.timed(f"startup to first value ({WORLD} ranks)", summarize(times["dtorch"]),
+                      summarize(times["torch"]), TARGET)]
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ A float32 tensor of 1 MB, 16 MB and 64 MB (``--quick``: 1 MB and 16 MB) sharded 
 4 ranks. dtorch: ``x.to_torch()`` (fetch every shard, assemble on the controller). Reference:
 the same 4 shards scattered as Dask futures, one to each rank's worker, then
 ``torch.cat(client.gather(futures))``, using dtorch's own Dask client so both read from the
-same worker processes. The two alternate within each repeat; median of the repeats.
+same worker processes. The two alternate within each repeat; medians and interquartile
+ranges of the repeats.
 Target: dtorch at most 1.2x the reference.
 
     .venv/bin/python bench/to_torch_vs_dask.py [--quick]
@@ -17,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, main, median  # noqa: E402
+from _common import Row, main, summarize  # noqa: E402
 
 WORLD = 4
 MB = 1 << 20
@@ -52,7 +53,8 @@ def run(quick: bool = False) -> list[Row]:
                     t0 = time.perf_counter()
                     fn()
                     acc.append(time.perf_counter() - t0)
-            rows.append(Row(f"to_torch {nbytes // MB} MB", median(ours), median(ref), TARGET))
+            rows.append(Row.timed(f"to_torch {nbytes // MB} MB", summarize(ours), summarize(ref),
+                                  TARGET))
             del x, futures
     finally:
         dtorch.shutdown()

@@ -22,6 +22,7 @@ import pathlib
 import re
 import signal
 import sys
+import time
 import warnings
 from typing import NamedTuple
 
@@ -147,14 +148,26 @@ def _alarm(signum, frame):
 
 
 def timed(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, raising OpTimeout after OP_TIMEOUT_S seconds."""
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, OP_TIMEOUT_S)
+    """``fn(*args, **kwargs)``, raising OpTimeout after OP_TIMEOUT_S seconds.
+
+    It borrows SIGALRM from pytest-timeout (whose timer guards the whole test) and hands it
+    back: the outer timer is re-armed with what is left of it, so a hang after this call is
+    still caught. If the outer timer would fire first, it keeps its own handler."""
+    outer_handler = signal.getsignal(signal.SIGALRM)
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    started = time.monotonic()
+    ours = not outer_left or OP_TIMEOUT_S < outer_left
+    if ours:
+        signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, OP_TIMEOUT_S if ours else outer_left)
     try:
         return fn(*args, **kwargs)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        signal.signal(signal.SIGALRM, outer_handler)
+        if outer_left:
+            left = outer_left - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), outer_interval)
 
 
 def classify(exc: BaseException) -> str:
@@ -384,6 +397,26 @@ def test_all_replicate_inputs_give_torchs_result(results):
 
 def test_first_input_sharded_never_differs_hangs_or_crashes(results):
     assert _failures(results, "shard0") == {}
+
+
+def test_timed_hands_pytest_timeouts_timer_back():
+    """A hang after ``timed`` must still end at pytest-timeout's limit (the old ``timed``
+    disarmed its timer after the first op)."""
+    left_before = signal.getitimer(signal.ITIMER_REAL)[0]
+    assert left_before > 0, "pytest-timeout (signal method) arms ITIMER_REAL for each test"
+    assert timed(lambda: 7) == 7
+    left_after = signal.getitimer(signal.ITIMER_REAL)[0]
+    assert 0 < left_after <= left_before
+    assert signal.getsignal(signal.SIGALRM) is not _alarm
+
+
+def test_timed_ends_a_hung_call(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "OP_TIMEOUT_S", 0.2)
+    t0 = time.monotonic()
+    with pytest.raises(OpTimeout):
+        timed(time.sleep, 10)
+    assert time.monotonic() - t0 < 5
+    assert signal.getitimer(signal.ITIMER_REAL)[0] > 0  # pytest-timeout's timer is armed again
 
 
 def test_docs_table_is_current(results):

@@ -32,8 +32,11 @@ DATA_DEPENDENT = {
     "nonzero": lambda x: torch.nonzero(x > 0),
     "unique": lambda x: torch.unique(x.round(), return_counts=True),
     "masked_select": lambda x: x.masked_select(x > 0),
-    "allclose": lambda x: torch.allclose(x, x + 1e-9),
-    "equal": lambda x: torch.equal(x, x * 2),
+    # predicates both ways: a constant answer must fail one of each pair
+    "allclose-true": lambda x: torch.allclose(x, x + 1e-9),
+    "allclose-false": lambda x: torch.allclose(x, x + 1e-3),
+    "equal-true": lambda x: torch.equal(x, x * 1),
+    "equal-false": lambda x: torch.equal(x, x * 2),
     "argwhere": lambda x: torch.argwhere(x < 0),
 }
 
@@ -75,6 +78,8 @@ def test_data_dependent_ops_run_eagerly(mesh1d, name):
     fn = DATA_DEPENDENT[name]
     x = torch.randn(4, 5) * 2
     got = no_comm(lambda: fn(dt(x, mesh1d, [R])))
+    if name.endswith(("-true", "-false")):
+        assert got is name.endswith("-true")
     batch = Batch()
     _check(batch, got, fn(x), mesh1d)
     batch.check()

@@ -83,6 +83,18 @@ def illegal(fn, match: str | None = None):
     return info.value
 
 
+# (rtol, atol) per dtype: torch.testing.assert_close's defaults, float64 stricter than float32
+TOLERANCES = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5),
+              torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """``(rtol, atol)`` for comparing results of ``dtype`` (a complex type: its parts')."""
+    if dtype.is_complex:
+        dtype = dtype.to_real()
+    return TOLERANCES.get(dtype, (1.3e-6, 1e-5))
+
+
 class Batch:
     """Collect results, then check them with one pipelined round of fetches."""
 
@@ -90,7 +102,10 @@ class Batch:
         self.items = []
 
     def add(self, out, expected: torch.Tensor, placements=None, exact: bool = None,
-            rtol: float = 1e-4, atol: float = 1e-5):
+            rtol: float | None = None, atol: float | None = None):
+        """Queue ``out`` to be checked against ``expected``: exactly for integer and bool
+        results, else within ``rtol``/``atol``, by default the tolerance of the dtype
+        (``TOLERANCES``: float64 results are checked at float64 precision)."""
         if isinstance(out, (tuple, list)):
             for o, e in zip(out, expected):
                 self.add(o, e, placements, exact, rtol, atol)
@@ -102,7 +117,9 @@ class Batch:
             assert out.placements == tuple(placements), (out.placements, tuple(placements))
         if exact is None:
             exact = not (expected.is_floating_point() or expected.is_complex())
-        self.items.append((out, expected, exact, rtol, atol))
+        default_rtol, default_atol = tolerance(expected.dtype)
+        self.items.append((out, expected, exact, default_rtol if rtol is None else rtol,
+                           default_atol if atol is None else atol))
 
     def check(self):
         c = session.get_controller()

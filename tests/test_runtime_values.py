@@ -44,6 +44,53 @@ def test_tensor_roundtrip_2d(mesh2d, placements):
     assert torch.equal(d.to_torch(), value)
 
 
+REDUCE = {"sum": lambda t: t.sum(0), "avg": lambda t: t.mean(0),
+          "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
+
+
+@pytest.mark.parametrize("op", sorted(REDUCE))
+def test_partial_values_reduce_every_ranks_share(mesh1d, mesh2d, op):
+    """to_torch() of a Partial reduces a different random share from every rank (1-D), and
+    on a 2-D mesh with the Partial on either dim, the other dim sharded or Partial too."""
+    g = torch.Generator().manual_seed(3)
+    shares = torch.randn(4, 5, 3, generator=g, dtype=torch.float64)
+    d = dtorch.from_local(list(shares), mesh1d, [Partial(op)])
+    assert torch.allclose(d.to_torch(), REDUCE[op](shares), rtol=1e-12, atol=1e-12)
+    for placements in ([Partial(op), Shard(0)], [Shard(1), Partial(op)],
+                       [Partial(op), Partial(op)]):
+        per_rank = {}
+        for rank in mesh2d.ranks:  # each rank's block of its own random global share
+            coord = mesh2d.get_coordinate(rank)
+            share = torch.randn(4, 6, generator=g, dtype=torch.float64)
+            block = dtorch.layout.shard_of(share, mesh2d, [
+                Replicate() if p.is_partial() else p for p in placements], coord)
+            per_rank[rank] = (share, block)
+        d = dtorch.from_local({r: b for r, (_, b) in per_rank.items()}, mesh2d, placements,
+                              shape=(4, 6))
+        want = _reduce_2d(per_rank, mesh2d, placements, op)
+        assert torch.allclose(d.to_torch(), want, rtol=1e-12, atol=1e-12), placements
+
+
+def _reduce_2d(per_rank, mesh, placements, op):
+    """The global value: each block region is the reduction of the shares of the ranks that
+    differ only along Partial mesh dims."""
+    out = torch.empty(4, 6, dtype=torch.float64)
+    keep = [m for m, p in enumerate(placements) if not p.is_partial()]
+    groups: dict = {}
+    for rank, (share, _) in per_rank.items():
+        coord = mesh.get_coordinate(rank)
+        groups.setdefault(tuple(coord[m] for m in keep), []).append(share)
+    for key, members in groups.items():
+        coord = [0] * mesh.ndim
+        for m, c in zip(keep, key):
+            coord[m] = c
+        region = dtorch.layout.rank_block((4, 6), mesh, [
+            Replicate() if p.is_partial() else p for p in placements], tuple(coord))
+        reduced = REDUCE[op](torch.stack(members))
+        out[region.slices()] = reduced[region.slices()]
+    return out
+
+
 def test_partial_sum_keeps_value_on_first_rank(mesh1d):
     value = torch.ones(2, 2)
     d = dtorch.tensor(value, device_mesh=mesh1d, placements=[Partial()])
