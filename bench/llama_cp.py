@@ -28,8 +28,8 @@ and ``rank_stats()["composite_peak_bytes"]`` (the K/V blocks a rank held at once
 and where a CP attention's time goes: one layer's attention kernel on one thread (fused causal
 SDPA over the whole sequence, a Ulysses rank's heads, the ring's first and last ranks' blocks).
 
-Every logits (dtorch's three meshes, the one process's) are checked against transformers'
-(1e-4) before timing. The one process and dtorch take turns, one timed repeat each; medians
+The logits of every side (dtorch's three meshes, the one process) are checked against
+transformers' (1e-4) before timing. The one process and dtorch take turns, one timed repeat each; medians
 and interquartile ranges.
 
     .venv/bin/python bench/llama_cp.py [--quick]
