@@ -6,16 +6,17 @@
   the reference ranks get dtorch's rank allocator / huge-page / thread settings
 - ``to_torch_vs_dask.py``: ``to_torch()`` vs a Dask gather of the same shards (<= 1.2x)
 - ``startup.py``: cold start to the first value vs spawning 4 torch processes (<= 2x)
-- ``op_overhead.py``: controller cost per op and a 500-op chain / TP MLP forward vs PyTorch's
-  DTensor under SPMD (<= 0.2x per op on the controller, <= 1.0x end to end)
+- ``op_overhead.py``: a 500-op chain and a TP MLP forward end to end vs PyTorch's DTensor
+  under SPMD (chain <= 1.0x), and what dtorch's controller alone spends per op (info, beside
+  plain torch in one process)
 - ``tp_mlp_vs_dtensor.py``: a dtorch.nn TP MLP forward (ColumnParallelLinear ->
   RowParallelLinearWithReplicateOutput) at batch 1 and 64 vs PyTorch's DTensor with
   ``parallelize_module`` under SPMD, taking turns (<= 1.0x end to end)
 - ``llama_vs_dtensor.py``: dtorch's LlamaForCausalLM forward on 4 ranks (tp4, pp2 x tp2) vs
-  the same transformers Llama with PyTorch's DTensor ``parallelize_module`` under SPMD (<= 1.0x
-  end to end)
-- ``llama_cp.py``: the same Llama with context parallelism, ring vs Ulysses vs no CP at
-  sequence 4096 (times, per-rank peak memory; information only)
+  the same lean torch.nn Llama (``lean_llama.py``) under PyTorch's DTensor
+  ``parallelize_module`` (<= 1.0x); transformers' own model under DTensor as an info row
+- ``llama_cp.py``: ring and Ulysses context parallelism at sequence 4096 vs the whole sequence
+  in one process on every core and vs tp4 on the same ranks (info; per-rank peak memory)
 - ``controller_scaling.py``: controller time and bytes per op for a 500-op chain on 4, 64 and
   1,024 ranks in dry-run mode (flat within 1.5x)
 - ``pipeline.py``: 2 pipeline stages (one rank each), 8 micro-batches vs the same work as one
@@ -23,10 +24,11 @@
 
 Each runs in its own child process (one process tree; every cluster and process group is torn
 down before the next starts, and Dask's worker environment does not leak into the next one).
-Nothing is asserted: the targets are printed next to the ratios.
+Nothing is asserted: the targets are printed next to the ratios. How each comparison is set
+up: docs/benchmarks.md.
 
     make bench                                   # = .venv/bin/python bench/run_all.py
-    .venv/bin/python bench/run_all.py --quick    # small sizes, about a minute
+    .venv/bin/python bench/run_all.py --quick    # small sizes, a few minutes (run in the tests)
     .venv/bin/python bench/run_all.py --md bench/RESULTS.md   # also write a Markdown report
 """
 
