@@ -19,7 +19,10 @@ def per_rank_counts(records) -> dict:
 
 
 def worker_counts() -> dict:
-    """``{rank: ({kind: steps run}, torch.distributed calls issued)}``."""
+    """``{rank: ({kind: steps run}, torch.distributed calls issued)}``, once every rank ran
+    everything issued (``rank_stats`` alone answers while a rank may still be running
+    earlier work: a collective in flight would land in the next count)."""
+    dtorch.synchronize()
     return {s["rank"]: (dict(s["counts"]), s["dist_calls"]) for s in dtorch.rank_stats()}
 
 
