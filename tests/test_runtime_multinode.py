@@ -111,6 +111,29 @@ def test_loopback_workers_beside_other_hosts_are_refused_with_the_cause():
                                       ["10.0.0.2", "127.0.0.1"])
 
 
+class _Ready:
+    """Stands in for a rank's ``ready()`` future: an init failure, None, or no answer."""
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def result(self, timeout):
+        if self.answer == "silent":
+            raise TimeoutError
+        return self.answer
+
+
+def test_a_process_group_that_does_not_start_is_a_cluster_error_not_a_bare_timeout():
+    from dtorch.runtime.cluster import _raise_unless_ready
+    from dtorch.runtime.interpreter import RemoteFailure
+    failed = RemoteFailure(1, "init_process_group", "DistNetworkError: timed out (this rank "
+                           "at 10.0.0.3 ...)", "")
+    with pytest.raises(dtorch.ClusterError, match=r"(?s)rank 1: DistNetworkError.*ranks \[2\]: "
+                                                  r"still starting after 12 s"):
+        _raise_unless_ready([_Ready(None), _Ready(failed), _Ready("silent")], 12)
+    _raise_unless_ready([_Ready(None)] * 2, 12)
+
+
 # item 3: the seed walk-through, every placement change, models ------------------------------
 def test_seed_walkthrough_across_hosts(on_hosts):
     """Seed 004's example and seed 002's walk-through (examples/demo.py), values and counts."""
