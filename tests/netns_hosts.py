@@ -41,10 +41,12 @@ def unavailable_reason() -> str | None:
     if shutil.which("ip") is None:
         return "the `ip` command (iproute2) is not installed"
     probe = f"{PREFIX}-probe"
-    made = _ip("netns", "add", probe, check=False)
-    _ip("netns", "del", probe, check=False)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
+    for make, undo in ((("netns", "add", probe), ("netns", "del", probe)),
+                       (("link", "add", probe, "type", "bridge"), ("link", "del", probe))):
+        made = _ip(*make, check=False)
+        _ip(*undo, check=False)
+        if made.returncode != 0:
+            return f"`ip {' '.join(make)}` fails here: {made.stderr.strip()}"
     return None
 
 
