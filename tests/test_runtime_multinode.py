@@ -78,6 +78,10 @@ def test_ranks_bind_to_their_dask_workers_interface(on_hosts):
     bound = client.run(lambda: os.environ.get("GLOO_SOCKET_IFNAME"))
     assert [bound[info["workers"][r]] for r in range(4)] == \
         [on_hosts.interface(0)] * 2 + [on_hosts.interface(1)] * 2
+    # dtorch set that; the workers were started with no hint (a gloo world sets no NCCL one)
+    hints = client.run(lambda: [os.environ.get(k) for k in ("NCCL_SOCKET_IFNAME",
+                                                               "TP_SOCKET_IFNAME")])
+    assert all(v == [None, None] for v in hints.values()), hints
     # rank 0's rendezvous store listens on its host's address, not on every interface
     store_ip, store_port = session.get_controller().ranks[0].actor.store_address
     assert store_ip == on_hosts.ips[0]
