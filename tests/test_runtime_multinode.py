@@ -64,10 +64,19 @@ def hosts_spanned(records) -> set:
 
 
 def counted_records(fn):
-    """(out, counts, records) of ``fn()``, the ledgers checked against each other."""
+    """(out, counts, records) of ``fn()``, the ledgers checked against each other. Work
+    still running on some ranks (an earlier ``to_torch`` of a Partial waits only for the
+    ranks it reads) is finished first, or the workers' counts before would miss it."""
+    dtorch.synchronize()
     with dtorch.CommDebugMode() as mode:
         out, counts = counted(fn)
     return out, counts, mode.get_comm_records()
+
+
+def counts_of(fn):
+    """(out, counts) of ``fn()``, as counted_records."""
+    out, counts, _ = counted_records(fn)
+    return out, counts
 
 
 # item 1: where torch.distributed binds ------------------------------------------------------
@@ -115,6 +124,15 @@ def test_loopback_workers_beside_other_hosts_are_refused_with_the_cause():
                                       ["10.0.0.2", "127.0.0.1"])
 
 
+def test_a_host_name_resolving_to_loopback_is_named_as_the_cause():
+    with pytest.raises(dtorch.ClusterError, match=r"rank 1 \(Dask worker tcp://10.0.0.3:2\): no "
+                                                  r"interface carries.*'vm' resolves to "
+                                                  r"\['127.0.0.1'\].*--host"):
+        network.refuse_loopback_binding(
+            ["tcp://10.0.0.2:1", "tcp://10.0.0.3:2"], ["10.0.0.2", "10.0.0.3"],
+            [("dask", "eth0", ["10.0.0.2"]), ("hostname", "vm", ["127.0.0.1"])])
+
+
 class _Ready:
     """Stands in for a rank's ``ready()`` future: an init failure, None, or no answer."""
 
@@ -155,7 +173,7 @@ def test_seed_walkthrough_across_hosts(on_hosts):
     line = init_device_mesh("cpu", 4)
     xs = dtorch.distribute_tensor(big, line, [Shard(1)])
     ws = dtorch.distribute_tensor(torch.ones(4, 4), line, [Shard(0)])
-    out, counts = counted(lambda: xs @ ws)
+    out, counts = counts_of(lambda: xs @ ws)
     assert counts == {} and out.placements == (Partial(),)
     full, counts, records = counted_records(lambda: out.redistribute(line, [R]))
     assert counts == {"all_reduce": 1} and hosts_spanned(records) == {2}
@@ -164,7 +182,7 @@ def test_seed_walkthrough_across_hosts(on_hosts):
         torch.softmax(xs, dim=1)
     u = dtorch.randn(4, 11, device_mesh=line, placements=[Shard(1)])
     assert u.local_shapes() == {0: (4, 3), 1: (4, 3), 2: (4, 3), 3: (4, 2)}
-    ur, counts = counted(lambda: u.redistribute(line, [R]))
+    ur, counts = counts_of(lambda: u.redistribute(line, [R]))
     assert counts == {"all_gather": 1} and torch.equal(ur.to_local(3), u.to_torch())
 
 
@@ -260,6 +278,36 @@ def test_llama_on_dp2_tp2_with_dp_across_hosts(on_hosts):
 
 
 # failures: a killed worker, a world that cannot connect (these run last) ---------------------
+def _set_gloo_ifname(address: str, value):
+    """Set (or with None, unset) GLOO_SOCKET_IFNAME in the worker processes of that
+    scheduler, as a user's environment would."""
+    from distributed import Client
+    with Client(address, timeout=30) as client:
+        def put():
+            os.environ.pop("GLOO_SOCKET_IFNAME", None) if value is None else \
+                os.environ.__setitem__("GLOO_SOCKET_IFNAME", value)
+        client.run(put)
+
+
+def test_a_users_loopback_interface_across_hosts_is_refused_and_restart_recovers(on_hosts):
+    """GLOO_SOCKET_IFNAME=lo set by the user wins over dtorch's choice, and a world across
+    hosts then cannot connect: refused at once, naming the rank and the variable."""
+    _set_gloo_ifname(on_hosts.scheduler_address, "lo")
+    try:
+        start = time.monotonic()
+        with pytest.raises(dtorch.ClusterError, match=r"rank 0 \(Dask worker .*\): "
+                                                      r"GLOO_SOCKET_IFNAME=lo in its environment "
+                                                      r"names an interface with only loopback"):
+            dtorch.restart()
+        assert time.monotonic() - start < 15
+    finally:
+        _set_gloo_ifname(on_hosts.scheduler_address, None)
+    dtorch.restart()
+    y = dtorch.tensor(torch.arange(8.), device_mesh=init_device_mesh("cpu", 4),
+                      placements=[Shard(0)])
+    assert torch.equal(y.redistribute(placements=[R]).to_torch(), torch.arange(8.))
+
+
 def test_a_worker_killed_on_one_host_is_reported_and_restart_recovers(on_hosts):
     line = init_device_mesh("cpu", 4)
     x = dtorch.tensor(torch.arange(8.), device_mesh=line, placements=[Shard(0)])

@@ -72,7 +72,31 @@ def bind_to_interface(ip: str, backend: str) -> str | None:
     return os.environ.get("GLOO_SOCKET_IFNAME")
 
 
+def addresses_of(iface: str) -> list[str]:
+    """The IP addresses interface ``iface`` carries on this host ([] if there is none)."""
+    import psutil
+    return [a.address.split("%")[0] for a in psutil.net_if_addrs().get(iface, [])
+            if a.family in (socket.AF_INET, socket.AF_INET6)]
+
+
 # run on the workers (Client.run) ------------------------------------------------------------
+def gloo_binding(dask_worker=None) -> tuple[str, str | None, list[str]]:
+    """Where gloo will bind on this worker, and who chose: ``("GLOO_SOCKET_IFNAME", name,
+    its addresses)`` when the user set it, ``("dask", name, ...)`` for the interface carrying
+    the Dask address, else ``("hostname", host name, [what it resolves to])``."""
+    user = os.environ.get("GLOO_SOCKET_IFNAME")
+    if user is not None and _set_here.get("GLOO_SOCKET_IFNAME") != user:
+        return "GLOO_SOCKET_IFNAME", user, [a for i in user.split(",") for a in addresses_of(i)]
+    iface = interface_of(worker_ip(dask_worker.address))
+    if iface is not None:
+        return "dask", iface, addresses_of(iface)
+    name = socket.gethostname()
+    try:
+        return "hostname", name, [socket.gethostbyname(name)]
+    except OSError:
+        return "hostname", name, []
+
+
 def open_listener(key: str, dask_worker=None) -> tuple[str, int]:
     """Listen on this worker's own address at a free port, kept under ``key``; (ip, port)."""
     ip = worker_ip(dask_worker.address)
@@ -119,8 +143,9 @@ def check_world_connects(client, workers: list[str], key: str, timeout_s: float
                          ) -> tuple[str, int]:
     """Open rank 0's rendezvous store socket (kept in its worker under ``key``) and a probe
     listener on every other host, have every rank connect to each, and raise ClusterError
-    naming who cannot reach what (a world on one host is not probed). Returns the store's
-    (ip, port).
+    naming who cannot reach what (a world on one host is not probed). Before that, a rank
+    whose gloo would bind to loopback only (a user's GLOO_SOCKET_IFNAME, a host name that
+    resolves to 127.0.0.1) is refused with the cause. Returns the store's (ip, port).
 
     ``workers`` are in rank order; ``timeout_s`` bounds each connection attempt.
     """
@@ -130,6 +155,9 @@ def check_world_connects(client, workers: list[str], key: str, timeout_s: float
     for rank, ip in enumerate(ips):
         first_on_host.setdefault(ip, rank)
     hosts = [workers[r] for r in first_on_host.values()]
+    if len(hosts) > 1:
+        bindings = client.run(gloo_binding, workers=workers)
+        refuse_loopback_binding(workers, ips, [bindings[w] for w in workers])
     opened = client.run(open_listener, key, workers=hosts)
     if len(hosts) == 1:  # one host (the embedded cluster): its own address always answers
         return opened[workers[0]]
@@ -179,3 +207,28 @@ def refuse_mixed_loopback(workers: list[str], ips: list[str]) -> None:
             "Their host name probably resolves to loopback (the default on Debian and Ubuntu) "
             "or the worker was started with --host localhost: start `dask worker` with "
             "--host <the host's address> or --interface <name>")
+
+
+def refuse_loopback_binding(workers: list[str], ips: list[str], bindings: list[tuple]) -> None:
+    """In a world across hosts, a rank whose gloo would bind to loopback only (or to nothing)
+    cannot be reached: raise ClusterError naming the rank, the interface and what chose it."""
+    lines = []
+    for rank, (chose, name, addresses) in enumerate(bindings):
+        if addresses and not all(is_loopback(a) for a in addresses):
+            continue
+        where = f"rank {rank} (Dask worker {workers[rank]})"
+        if chose == "GLOO_SOCKET_IFNAME":
+            has = f"only loopback addresses {addresses}" if addresses else "no address here"
+            lines.append(f"  {where}: GLOO_SOCKET_IFNAME={name} in its environment names an "
+                         f"interface with {has}. Unset it (dtorch then binds to the "
+                         f"interface carrying {ips[rank]}) or name that interface")
+        else:
+            lines.append(f"  {where}: no interface carries its Dask address {ips[rank]}, and "
+                         f"its host name {name!r} resolves to {addresses or 'nothing'} (a "
+                         f"loopback address, the Debian and Ubuntu default). Start `dask "
+                         f"worker` with --host <this host's address> or set "
+                         f"GLOO_SOCKET_IFNAME on it")
+    if lines:
+        raise ClusterError("torch.distributed cannot start: in a world across hosts these ranks "
+                           "would listen where their peers cannot reach them:\n" +
+                           "\n".join(lines))
