@@ -142,7 +142,7 @@ class DTensor:
             out = torch.empty(spec.shape, dtype=spec.dtype)
             for rank, (status, value) in results.items():
                 if status != "ok":
-                    raise _remote(value)
+                    raise _remote(c, value)
                 out[blocks[rank].slices()] = _received(value, rank, blocks[rank].shape,
                                                        spec.dtype)
             return out
@@ -164,7 +164,7 @@ class DTensor:
         answers = c.wait(c.request(lambda req: m.Fetch(req, self._tid, (rank,)), [rank]))
         status, value = answers[rank]
         if status != "ok":
-            raise _remote(value)
+            raise _remote(c, value)
         coord = self._spec.mesh.get_coordinate(rank)
         shape = layout.local_shape(self._spec.shape, self._spec.mesh, self._spec.placements,
                                    coord)
@@ -406,9 +406,8 @@ def _received(wire, rank: int, shape, dtype) -> torch.Tensor:
     return value
 
 
-def _remote(failure):
-    from .runtime.controller import remote_error
-    return remote_error(failure, "reading this tensor")
+def _remote(controller, failure):
+    return controller.error_for(failure, "reading this tensor")
 
 
 Tensor = DTensor

@@ -33,7 +33,7 @@ class RankInfo(NamedTuple):
 
 
 def free_port() -> int:
-    """A TCP port free on this machine now (for a process group's rendezvous)."""
+    """A TCP port free on this machine now."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -170,15 +170,20 @@ def _host(address: str) -> str:
 def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
                       workers: list[str] | None = None, num_threads: int | None = None
                       ) -> list[RankInfo]:
-    """Create one RankActor per worker and wait until the torch.distributed world is up."""
+    """Create one RankActor per worker and wait until the torch.distributed world is up.
+
+    Every rank first connects once to rank 0's store socket and to every other host
+    (network.check_world_connects), so a world that cannot connect fails in seconds."""
+    from .network import check_world_connects, probe_timeout
     from .worker import RankActor
     workers = workers or worker_addresses(client)
     world = len(workers)
-    master = _host(workers[0])
-    port = client.run(free_port, workers=[workers[0]])[workers[0]]
+    key = f"dtorch-store-{time.time_ns()}"
+    master, port = check_world_connects(client, workers, key, probe_timeout(timeout_s))
     devices = _devices(workers, backend)
     futures = [client.submit(RankActor, rank, world, master, port, backend, timeout_s, seed,
-                             num_threads, devices[rank], actor=True, workers=[addr], allow_other_workers=False,
+                             num_threads, devices[rank], key if rank == 0 else None,
+                             actor=True, workers=[addr], allow_other_workers=False,
                              pure=False, key=f"dtorch-rank-{rank}-{time.time_ns()}")
                for rank, addr in enumerate(workers)]
     actors = [f.result(timeout=120) for f in futures]
@@ -186,11 +191,29 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
              for r, (a, actor, fut) in enumerate(zip(workers, actors, futures))]
     with client.as_current():  # binds each actor handle to this (non-default) client
         readies = [ri.actor.ready() for ri in ranks]
-    failures = [f for f in (r.result(timeout=timeout_s + 30) for r in readies) if f]
-    if failures:
-        raise ClusterError("torch.distributed could not start on every rank:\n" +
-                           "\n".join(f"rank {f.rank}: {f.message}" for f in failures))
+    _raise_unless_ready(readies, timeout_s + 30)
     return ranks
+
+
+def _raise_unless_ready(readies: list, wait_s: float) -> None:
+    """ClusterError naming the ranks whose process group failed or did not start in time."""
+    deadline = time.monotonic() + wait_s
+    failures, silent = [], []
+    for rank, ready in enumerate(readies):
+        try:
+            failure = ready.result(timeout=max(0.1, deadline - time.monotonic()))
+        except TimeoutError:
+            silent.append(rank)
+            continue
+        if failure:
+            failures.append(failure)
+    if failures or silent:
+        lines = [f"rank {f.rank}: {f.message}" for f in failures]
+        if silent:
+            lines.append(f"ranks {silent}: still starting after {wait_s:.0f} s "
+                         "(DTORCH_COLLECTIVE_TIMEOUT + 30 s)")
+        raise ClusterError("torch.distributed could not start on every rank:\n" +
+                           "\n".join(lines))
 
 
 def _devices(workers: list[str], backend: str) -> list[str]:

@@ -43,6 +43,10 @@ def remote_error(failure, context: str = "") -> RemoteError:
     return err
 
 
+# What gloo says on the ranks left when a peer's process died mid-collective.
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def _quiet_logs() -> None:
     """On a worker about to be shut down: its heartbeats may fail while it exits."""
     import logging
@@ -273,6 +277,23 @@ class Controller:
                     f"peers and reads cannot go on. Call dtorch.restart(), or set "
                     f"DTORCH_OP_TIMEOUT higher for ops that run this long")
 
+    def error_for(self, failure, context: str = "", wait_s: float = 5.0):
+        """The exception for a rank's failure: when its collective broke because a peer's
+        connection closed, the WorkerLostError of the rank that is gone (waiting up to
+        ``wait_s`` for the scheduler to notice), else the RemoteError."""
+        err = remote_error(failure, context)
+        if not any(text in failure.message for text in PEER_LOST):
+            return err
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                self.check_alive()
+            except WorkerLostError as lost:
+                lost.__cause__ = err
+                return lost
+            time.sleep(0.2)
+        return err
+
     def _lost(self, rank: int, exc: BaseException | None = None) -> WorkerLostError:
         self.closed = True
         why = f": {exc}" if exc else ""
@@ -285,7 +306,9 @@ class Controller:
         answers = self.wait(self.request(m.Sync, range(self.world)), timeout)
         failures = [f for _, (_, errs) in sorted(answers.items()) for f in errs]
         if failures:
-            err = remote_error(failures[0])
+            err = self.error_for(failures[0])
+            if not isinstance(err, RemoteError):
+                raise err
             if len(failures) > 1:
                 err.args = (err.args[0] + f"\n({len(failures) - 1} more failures: " + "; ".join(
                     f"rank {f.rank} in {f.op}: {f.message}" for f in failures[1:4]) + ")",)
@@ -304,6 +327,22 @@ class Controller:
             raise ClusterError("the dtorch cluster is shut down or lost a worker; call "
                                "dtorch.init() or dtorch.restart()")
 
+    def _close_survivors(self, wait_s: float = 10.0) -> None:
+        """Close the rank actors that still answer, waiting ``wait_s`` at most in all."""
+        futures = []
+        present = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        for info in (i for i in self.ranks if i.address in present):
+            try:
+                futures.append(info.actor.close())
+            except Exception:  # noqa: BLE001 - this one is gone
+                pass
+        deadline = time.monotonic() + wait_s
+        for fut in futures:
+            try:
+                fut.result(timeout=max(0.1, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - its world is ended when the next one starts
+                pass
+
     def close(self) -> None:
         """Stop the rank threads; shut the embedded cluster down if we started it."""
         if self.closed and self.client is None:
@@ -315,6 +354,8 @@ class Controller:
                     fut.result(timeout=30)
                 if self.cluster is not None:  # our own workers: a quiet exit, no heartbeat noise
                     self.client.run(_quiet_logs)
+            elif self.cluster is None:  # a joined cluster's surviving ranks keep their
+                self._close_survivors()  # processes: end their world, or a new one cannot start
         except Exception:  # noqa: BLE001 - a lost worker cannot be closed politely; go on
             pass
         finally:

@@ -77,12 +77,12 @@ def init(n_workers: int | None = None, address: str | None = None,
         return _controller
     started = time.monotonic()
     _notify("starting", n_workers=n_workers, address=address, device_type=device_type)
+    _init_args = args  # restart() retries these, also after a start that failed
     try:
         _controller = _start(n_workers, address, device_type or "cpu", dask_kwargs)
     except BaseException as exc:
         _notify("failed", error=exc)
         raise
-    _init_args = args
     _notify("ready", controller=_controller, seconds=time.monotonic() - started)
     return _controller
 
@@ -202,7 +202,8 @@ def shutdown() -> None:
 
 
 def restart() -> Controller:
-    """A fresh world with the same arguments (after a lost worker, say)."""
+    """A fresh world with the arguments of the last ``init`` (after a lost worker, or once
+    the network problem a failed start reported is fixed)."""
     args = dict(_init_args or {})
     shutdown()
     return init(**args)

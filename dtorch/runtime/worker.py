@@ -21,6 +21,7 @@ from datetime import timedelta
 from . import messages as m
 from .batches import unpickle_segments
 from .interpreter import Interpreter, RemoteFailure
+from .network import bind_to_interface, take_listener, worker_ip
 
 _STOP = object()
 
@@ -28,10 +29,17 @@ _STOP = object()
 class RankActor:
     """One rank: joins the torch.distributed world, then runs batches in sequence order."""
 
+    store_address: tuple = ("", 0)  # rank 0's rendezvous store (declared: Dask's Actor proxy
+    #                                 reads only attributes its class has)
+
     def __init__(self, rank: int, world: int, master_addr: str, master_port: int,
                  backend: str = "gloo", timeout_s: float = 60.0, seed: int = 0,
-                 num_threads: int | None = None, device: str = "cpu"):
+                 num_threads: int | None = None, device: str = "cpu",
+                 store_key: str | None = None):
+        from distributed import get_worker
         self.rank, self.world = rank, world
+        self.ip = worker_ip(get_worker().address)  # torch.distributed binds to this address
+        self.store_address = (master_addr, master_port)  # rank 0's rendezvous store
         self.timeout_s = timeout_s
         self._inbox: dict[int, tuple] = {}
         self._next_seq = 0
@@ -49,7 +57,9 @@ class RankActor:
         self._groups: dict[tuple[int, ...], object] = {}
         self.device = device
         self.interp = Interpreter(rank, self._group_of, self._make_groups, seed, device)
-        args = (master_addr, master_port, backend, timeout_s, num_threads)
+        # rank 0's store socket, opened on this worker's address by check_world_connects
+        store_socket = take_listener(store_key) if store_key else None
+        args = (master_addr, master_port, backend, timeout_s, num_threads, store_socket)
         self._thread = threading.Thread(target=self._run, args=args, daemon=True,
                                         name=f"dtorch-rank-{rank}")
         self._thread.start()
@@ -140,7 +150,8 @@ class RankActor:
             self._busy = True
             return item
 
-    def _run(self, master_addr, master_port, backend, timeout_s, num_threads) -> None:
+    def _run(self, master_addr, master_port, backend, timeout_s, num_threads,
+             store_socket) -> None:
         import torch
         import torch.distributed as dist
         if num_threads:
@@ -148,13 +159,14 @@ class RankActor:
         try:
             if self.device.startswith("cuda"):
                 torch.cuda.set_device(torch.device(self.device))
-            if master_addr.startswith("127.") or master_addr == "localhost":
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=self.rank, world_size=self.world,
-                                    timeout=timedelta(seconds=timeout_s))
+            self._join_world(master_addr, master_port, backend, timeout_s, store_socket)
         except Exception as exc:  # noqa: BLE001 - reported to the controller
-            self._init_error = self.interp._fail("init_process_group", exc)[0]
+            failure = self.interp._fail("init_process_group", exc).failure
+            self._init_error = failure._replace(message=(
+                f"{failure.message} (this rank at {self.ip}, gloo interface "
+                f"{os.environ.get('GLOO_SOCKET_IFNAME') or 'chosen by torch'}; rendezvous "
+                f"store at {master_addr}:{master_port}). Likely cause: a firewall between "
+                f"the hosts, or an interface that does not carry the Dask worker's address"))
         self._ready.set()
         try:
             while True:
@@ -168,6 +180,20 @@ class RankActor:
             raise
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def _join_world(self, master_addr, master_port, backend, timeout_s, store_socket) -> None:
+        """init_process_group on this worker's own interface; rank 0's store serves on
+        ``store_socket`` (bound to its Dask address, not to every interface)."""
+        import torch.distributed as dist
+        if dist.is_initialized():  # a world an earlier actor here could not close (lost peer)
+            dist.destroy_process_group()
+        bind_to_interface(self.ip, backend)
+        timeout = timedelta(seconds=timeout_s)
+        fd = store_socket.detach() if store_socket is not None else None  # the store's now
+        store = dist.TCPStore(master_addr, master_port, self.world, self.rank == 0, timeout,
+                              master_listen_fd=fd)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world,
+                                timeout=timeout)
 
     def _run_batch(self, payload: bytes, staged: bytes | None) -> None:
         try:
