@@ -19,6 +19,8 @@
   in one process on every core and vs tp4 on the same ranks (info; per-rank peak memory)
 - ``controller_scaling.py``: controller time and bytes per op for a 500-op chain on 4, 64 and
   1,024 ranks in dry-run mode (flat within 1.5x)
+- ``redistribute_multinode.py``: placement changes on a mesh spanning two hosts (network
+  namespaces on a bridge; root and ``ip`` needed, else no rows) vs the same inside one host
 - ``pipeline.py``: 2 pipeline stages (one rank each), 8 micro-batches vs the same work as one
   batch (speedup >= 1.6x, i.e. a ratio <= 0.625), and what each stage spent waiting
 
@@ -48,7 +50,8 @@ from _common import Row, command, machine, markdown, now, table  # noqa: E402
 
 BENCHES = ("redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
            "startup.py", "op_overhead.py", "tp_mlp_vs_dtensor.py", "pipeline.py",
-           "llama_vs_dtensor.py", "llama_cp.py", "controller_scaling.py")
+           "llama_vs_dtensor.py", "llama_cp.py", "controller_scaling.py",
+           "redistribute_multinode.py")
 
 
 def main() -> int:

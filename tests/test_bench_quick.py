@@ -10,9 +10,14 @@ import sys
 
 import pytest
 
+from netns_hosts import unavailable_reason
+
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
 from run_all import BENCHES  # noqa: E402
+
+# benches that need what this machine may lack give no rows then (they print why)
+MAY_BE_EMPTY = {"redistribute_multinode.py": unavailable_reason()}
 
 
 @pytest.mark.timeout(1800)
@@ -26,6 +31,6 @@ def test_every_bench_runs_in_quick_mode(tmp_path):
     rows = json.loads(out.read_text())
     assert set(rows) == set(BENCHES), tail
     for name, bench_rows in rows.items():
-        assert bench_rows, f"{name} gave no rows"
+        assert bench_rows or MAY_BE_EMPTY.get(name), f"{name} gave no rows"
         for row in bench_rows:
             assert row["dtorch_s"] > 0 and row["ref_s"] > 0, (name, row)

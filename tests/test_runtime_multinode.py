@@ -29,7 +29,7 @@ R = Replicate()
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def netns_hosts():
     """Two namespace hosts with two Dask workers each and a scheduler on the bridge."""
     reason = unavailable_reason()
