@@ -12,7 +12,8 @@ host ([0, 1]), in the same world, same shapes and placements, float32:
 The bridge is not a real network (veth pairs in one kernel): read the ratio (what crossing a
 host boundary costs over the loopback path on this machine), not absolute speed. Timed on the
 controller: N redistributes then ``dtorch.synchronize()``, divided by N, after a warm-up;
-across and within take turns, one repeat each, medians. Needs root and ``ip`` (prints why and
+across and within take turns, one repeat each; medians and interquartile ranges, no target
+(the bridge adds a kernel hop, not a wire). Needs root and ``ip`` (prints why and
 gives no rows otherwise).
 
     .venv/bin/python bench/redistribute_multinode.py [--quick] [--json PATH]
@@ -27,13 +28,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-from _common import Row, fmt_bytes, main, median  # noqa: E402
+from _common import Row, fmt_bytes, main, summarize  # noqa: E402
 
 KB, MB = 1 << 10, 1 << 20
 # (label, source placement, target placement) on a 2-rank mesh; "move" changes the mesh
 MOVES = (("S(0)->R", "S0", "R"), ("S(0)->S(1)", "S0", "S1"), ("P->R", "P", "R"),
          ("move", "S0", "S0"))
-TARGET = 3.0  # across / within: the bridge adds a kernel hop, not a wire
 
 
 def _placement(name: str):
@@ -94,10 +94,10 @@ def run(quick: bool = False) -> list[Row]:
                 for _ in range(repeats):
                     for across in (False, True):
                         times[across].append(_time(move, nbytes, across, n))
-                rows.append(Row(f"{move[0]} {fmt_bytes(nbytes)} across/within hosts",
-                                median(times[True]), median(times[False]), TARGET,
-                                "2-rank meshes [0, 2] vs [0, 1]" if move[0] != "move" else
-                                "[0] -> [2] vs [0] -> [1]"))
+                rows.append(Row.timed(f"{move[0]} {fmt_bytes(nbytes)} across/within hosts",
+                                      summarize(times[True]), summarize(times[False]), None,
+                                      "info: 2-rank meshes [0, 2] vs [0, 1]" if move[0] != "move"
+                                      else "info: [0] -> [2] vs [0] -> [1]"))
         finally:
             dtorch.shutdown()
     return rows
