@@ -372,9 +372,10 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
               "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
               "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__and__",
               "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__",
-              "__rshift__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+              "__rshift__", "__rlshift__", "__rrshift__", "__eq__", "__ne__", "__lt__", "__le__",
+              "__gt__", "__ge__",
               "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-              "__ipow__", "__iand__", "__ior__", "__ixor__"):
+              "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"):
     setattr(DTensor, _name, _binary_dunder(getattr(torch.Tensor, _name)))
 for _name in ("__neg__", "__pos__", "__abs__", "__invert__"):
     setattr(DTensor, _name, _unary_dunder(getattr(torch.Tensor, _name)))

@@ -20,6 +20,7 @@ generator would draw its own numbers. Example::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pickle
 import warnings
@@ -116,8 +117,18 @@ def picklable(fn):
     for home, ns in _HOMES:
         if name and getattr(ns, name, None) is fn:
             return ByName(home, name)
+    dunder = _tensor_dunders().get(id(fn))
+    if dunder is not None:  # torch.Tensor.__pow__ is a wrapper named "pow": send it by slot
+        return ByName("torch.Tensor", dunder)
     raise UnsupportedOpError(f"{display_name(fn)} cannot be sent to the ranks (pickle cannot "
                              f"find it by name); call a torch function instead")
+
+
+@functools.lru_cache(maxsize=1)
+def _tensor_dunders() -> dict:
+    """``{id(torch.Tensor.__pow__): "__pow__", ...}``: operator slots by identity."""
+    return {id(v): k for k, v in vars(torch.Tensor).items()
+            if k.startswith("__") and k.endswith("__") and callable(v)}
 
 
 def all_replicate(tensors) -> bool:
