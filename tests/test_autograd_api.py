@@ -266,12 +266,18 @@ def test_value_dependent_ops_beside_requires_grad(mesh1d):
 
 
 def test_composites_say_no_backward_yet(live):
+    """Ulysses attention runs (an inference forward needs no torch.no_grad()); a backward that
+    reaches it raises on the controller before anything is sent."""
     mesh = init_device_mesh("cpu", 4, mesh_dim_names=("ulysses_cp",))
     q = dtorch.randn(1, 4, 8, 8, device_mesh=mesh, placements=[Shard(2)], requires_grad=True)
     k = dtorch.randn(1, 4, 8, 8, device_mesh=mesh, placements=[Shard(2)])
     v = dtorch.randn(1, 4, 8, 8, device_mesh=mesh, placements=[Shard(2)])
-    refused(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
-            dtorch.UnsupportedOpError, "no backward yet")
-    with torch.no_grad():
+    with dtorch.CommDebugMode() as mode:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    assert out.shape == (1, 4, 8, 8) and not out.requires_grad
+    assert mode.get_comm_counts() == {"all_to_all": 4} and out.requires_grad
+    with torch.no_grad():
+        plain = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out.to_torch(), plain.to_torch())
+    loss = out.sum()
+    refused(lambda: loss.backward(), dtorch.UnsupportedOpError, "no backward yet for")
+    usable(init_device_mesh("cpu", 4))

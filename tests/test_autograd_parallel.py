@@ -185,3 +185,29 @@ def test_between_mesh_dims_all_to_all_back(mesh1d):
     assert counts == {"all_to_all": 1}
     v.exp().sum().backward()
     torch.testing.assert_close(x.grad.to_torch(), v.grad)
+
+
+def test_no_sync_defers_the_dp_reduction_to_the_first_backward_outside(live):
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("dp",))
+    ref = torch.nn.Linear(4, 3)
+    lin = _load(dtorch.nn.ReplicateParallelLinear(4, 3, device_mesh=mesh), ref.state_dict())
+    batches = [(torch.randn(8, 4), torch.randn(8, 3)) for _ in range(4)]
+
+    def loss_of(x, t):
+        dx = dtorch.tensor(x, device_mesh=mesh, placements=[Shard(0)])
+        dt_ = dtorch.tensor(t, device_mesh=mesh, placements=[Shard(0)])
+        return ((lin(dx) - dt_) ** 2).mean()
+    with lin.no_sync():
+        for x, t in batches[:3]:
+            loss = loss_of(x, t)
+            counts, _ = run(lambda: loss.backward())
+            assert counts == {}
+            assert lin.weight.grad.placements == (Partial(),)
+    loss = loss_of(*batches[3])
+    counts, _ = run(lambda: loss.backward())
+    assert counts == {"all_reduce": 2}  # once per parameter, for all four micro-batches
+    for x, t in batches:
+        ((ref(x) - t) ** 2).mean().backward()
+    assert lin.weight.grad.placements == (R,) and lin.bias.grad.placements == (R,)
+    torch.testing.assert_close(lin.weight.grad.to_torch(), ref.weight.grad)
+    torch.testing.assert_close(lin.bias.grad.to_torch(), ref.bias.grad)

@@ -15,6 +15,8 @@ collectives of a backward are marked ``phase="backward"`` in CommDebugMode. Exam
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from .. import comm_debug
@@ -106,6 +108,10 @@ def _reachable(starts) -> dict:
 def _check_not_released(nodes) -> None:
     if any(n.released for n in nodes.values()):
         raise RuntimeError(_SECOND_TIME)
+    for n in nodes.values():
+        if n.refusal is not None:
+            from ..errors import UnsupportedOpError
+            raise UnsupportedOpError(n.refusal)
 
 
 def _key_of(t):
@@ -204,17 +210,46 @@ class _Walk:
 
     def finish_leaves(self, accumulate_into=None) -> None:
         """Each leaf's gradient in the leaf's placements (the reduction that costs, planned
-        and counted here), hooked, then captured and/or accumulated into ``.grad``."""
+        and counted here), hooked, then captured and/or accumulated into ``.grad``. Inside
+        ``Module.no_sync()`` a parameter's gradient stays as it arrives (Partial): the first
+        backward outside adds it to the new one and reduces once."""
         for meta, spec, grads in self.leaves.values():
             capture = self.targets is not None and meta in self.targets
             accumulate = accumulate_into is None or meta in accumulate_into
             if not (capture or accumulate):
                 continue
-            g = _run_hooks(meta, combine(grads, spec.placements))
+            deferred = accumulate and not capture and is_deferred(meta)
+            old = meta.grad
+            if accumulate and not deferred and old is not None and \
+                    old.placements != spec.placements:  # left Partial by no_sync: reduce now
+                grads, meta.grad = grads + [old], None
+            if deferred and len({g.placements for g in grads}) == 1:
+                g = combine(grads, None)
+            else:
+                g = combine(grads, spec.placements)
+            g = _run_hooks(meta, g)
             if capture:
                 self.captured[meta] = g
             if accumulate:
-                _accumulate(meta, g, id(g) in self.user_grads)
+                _accumulate(meta, g, id(g) in self.user_grads, deferred)
+
+
+_deferred: list = []  # sets of AutogradMeta ids whose reduction Module.no_sync() defers
+
+
+@contextmanager
+def deferring(metas):
+    """Inside, the gradients of these leaves accumulate unreduced (``Module.no_sync()``)."""
+    ids = {id(meta) for meta in metas}
+    _deferred.append(ids)
+    try:
+        yield
+    finally:
+        _deferred.remove(ids)
+
+
+def is_deferred(meta) -> bool:
+    return any(id(meta) in ids for ids in _deferred)
 
 
 def combine(grads: list, target):
@@ -240,12 +275,15 @@ def _run_hooks(meta: AutogradMeta, g):
     return g
 
 
-def _accumulate(meta: AutogradMeta, g, is_users: bool) -> None:
+def _accumulate(meta: AutogradMeta, g, is_users: bool, deferred: bool = False) -> None:
     if meta.grad is None:
         meta.grad = g.clone() if is_users else g
         return
     if g.placements != meta.grad.placements:
-        g = g._move(meta.grad.device_mesh, meta.grad.placements)
+        if deferred:  # the reduced gradient joins the unreduced ones (Replicate -> Partial: local)
+            meta.grad = meta.grad._move(g.device_mesh, g.placements)
+        else:
+            g = g._move(meta.grad.device_mesh, meta.grad.placements)
     meta.grad.add_(g)
 
 

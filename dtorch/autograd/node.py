@@ -60,16 +60,17 @@ class Node:
     """A recorded op (or redistribute) on the controller; see the module doc."""
 
     __slots__ = ("id", "_name", "controller", "mesh", "in_specs", "out_specs", "edges",
-                 "out_metas", "released", "keeps_graph", "__weakref__")
+                 "out_metas", "released", "keeps_graph", "refusal", "__weakref__")
 
     def __init__(self, node_id: int, name: str, controller, mesh, in_specs, out_specs, edges,
-                 keeps_graph: bool):
+                 keeps_graph: bool, refusal: str | None = None):
         self.id, self._name, self.controller, self.mesh = node_id, name, controller, mesh
         self.in_specs, self.out_specs, self.edges = tuple(in_specs), tuple(out_specs), \
             tuple(edges)
         self.out_metas: list = [None] * len(self.out_specs)  # weakrefs to the outputs' metas
         self.released = False
         self.keeps_graph = keeps_graph
+        self.refusal = refusal  # why backward cannot go through this node (None: it can)
 
     def name(self) -> str:
         return self._name

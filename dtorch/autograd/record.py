@@ -69,9 +69,7 @@ def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill,
     if outputs is EAGER:
         return _eager(c, func, plan, cargs, ckwargs, tensors, name)
     if type(plan.fn) is m.CompositePlan:
-        raise UnsupportedOpError(
-            f"no backward yet for {plan.fn.name} (a composite op): call it on detached "
-            f"inputs or under torch.no_grad(), or redistribute so that the plain op runs")
+        return _composite(c, plan, tensors, fill, fill_kwargs)
     if plan.inplace is not None:
         _check_inplace(name, tensors[plan.inplace])
     mask = tuple(requires(t) for t in tensors)
@@ -101,6 +99,30 @@ def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill,
         if diff:
             mark_output(out, node, i)
     return outs[0] if outputs.kind == "one" else rebuild(outputs, outs)
+
+
+def _composite(c, plan, tensors, fill, fill_kwargs):
+    """A composite op (ring / Ulysses attention) runs as without autograd; its outputs get a
+    node that refuses backward (raised on the controller when a backward reaches it, before
+    anything is sent), so an inference forward without ``torch.no_grad()`` still works."""
+    from ..ops.dispatch import _wrap
+    from ..ops.infer import rebuild
+    from .. import comm_debug
+    cargs, ckwargs = fill(plan.args, tensors), fill_kwargs(plan.kwargs, tensors)
+    comm_debug.record_steps(plan.fn.collectives)
+    tids = tuple(c.new_tid() for _ in plan.out_specs)
+    c.issue(m.Call(tids, plan.fn, tuple(cargs), ckwargs, plan.ranks))
+    outs = [_wrap(s, t, c) for s, t in zip(plan.out_specs, tids)]
+    grad_inputs = _unique([t for t in tensors if requires(t)])
+    node = Node(c.new_tid(), f"{plan.fn.name}Backward", c, tensors[0]._spec.mesh,
+                [t._spec for t in grad_inputs], plan.out_specs,
+                [edge_of(t) for t in grad_inputs], keeps_graph=False,
+                refusal=f"no backward yet for {plan.fn.name} (a composite op); detach its "
+                        f"inputs, or redistribute them so that the plain op runs")
+    for i, out in enumerate(outs):
+        if out.dtype.is_floating_point or out.dtype.is_complex:
+            mark_output(out, node, i)
+    return outs[0] if plan.outputs.kind == "one" else rebuild(plan.outputs, outs)
 
 
 def _eager(c, func, plan, cargs, ckwargs, tensors, name):

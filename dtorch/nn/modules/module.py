@@ -20,6 +20,8 @@ and hooks are exactly torch.nn's. ``__call__`` runs ``redistribute_input`` -> ``
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...errors import DTorchError
@@ -100,6 +102,15 @@ class Module(torch.nn.Module):
                     table[key] = (torch.nn.Parameter(new, value.requires_grad)
                                   if isinstance(value, torch.nn.Parameter) else new)
         return self
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's name: inside, backward leaves the parameters' gradients unreduced
+        (``p.grad.placements`` shows the Partial) while accumulating over micro-batches; the
+        first backward outside reduces them once (with its own gradients)."""
+        from ...autograd.engine import deferring
+        with deferring([p._ag for p in self.parameters() if p._ag is not None]):
+            yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the parameters' gradients: to None (default), or to zeros in place."""
