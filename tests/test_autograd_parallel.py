@@ -211,3 +211,46 @@ def test_no_sync_defers_the_dp_reduction_to_the_first_backward_outside(live):
     assert lin.weight.grad.placements == (R,) and lin.bias.grad.placements == (R,)
     torch.testing.assert_close(lin.weight.grad.to_torch(), ref.weight.grad)
     torch.testing.assert_close(lin.bias.grad.to_torch(), ref.bias.grad)
+
+
+def _qkv(n, hq, hk, length, e=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, h, length, e, generator=g, dtype=torch.float64)
+            for h in (hq, hk, hk)]
+
+
+def test_ulysses_backward_is_the_transposed_all_to_alls(live):
+    """Forward: the composite's four all_to_alls; backward: one for the output's gradient
+    and one per input that requires grad, all on ulysses_cp; gradients as torch's."""
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("ulysses_cp",))
+    for (hq, hk, length, causal, grads) in ((4, 4, 8, False, 3), (8, 4, 10, True, 3),
+                                            (4, 4, 8, True, 1)):
+        q, k, v = _qkv(2, hq, hk, length)
+        kw = dict(is_causal=causal, enable_gqa=hq != hk)
+        ts = [t.clone().requires_grad_(i < grads) for i, t in enumerate((q, k, v))]
+        ds = [dtorch.tensor(t, device_mesh=mesh, placements=[Shard(2)],
+                            requires_grad=i < grads) for i, t in enumerate((q, k, v))]
+        counts, _ = run(lambda: F.scaled_dot_product_attention(*ds, **kw))
+        assert counts == {"all_to_all": 4}
+        loss = (F.scaled_dot_product_attention(*ds, **kw) ** 2).sum()
+        counts, records = run(lambda: loss.backward())
+        assert counts == {"all_to_all": 1 + grads}
+        assert _phase_dims(records) == [("all_to_all", "ulysses_cp", "backward")]
+        (F.scaled_dot_product_attention(*ts, **kw) ** 2).sum().backward()
+        for d, t in zip(ds[:grads], ts):
+            assert d.grad.placements == (Shard(2),)
+            torch.testing.assert_close(d.grad.to_torch(), t.grad)
+
+
+def test_ulysses_backward_beside_dp(live):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ulysses_cp"))
+    q, k, v = _qkv(2, 4, 4, 6, seed=1)
+    ts = [t.clone().requires_grad_() for t in (q, k, v)]
+    ds = [dtorch.tensor(t, device_mesh=mesh, placements=[Shard(0), Shard(2)],
+                        requires_grad=True) for t in (q, k, v)]
+    loss = F.scaled_dot_product_attention(*ds, is_causal=True).sum()
+    counts, _ = run(lambda: loss.backward())
+    assert counts == {"all_to_all": 4}
+    F.scaled_dot_product_attention(*ts, is_causal=True).sum().backward()
+    for d, t in zip(ds, ts):
+        torch.testing.assert_close(d.grad.to_torch(), t.grad)

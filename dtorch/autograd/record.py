@@ -69,6 +69,11 @@ def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill,
     if outputs is EAGER:
         return _eager(c, func, plan, cargs, ckwargs, tensors, name)
     if type(plan.fn) is m.CompositePlan:
+        from . import ulysses
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            bound = ulysses.bind(args, kwargs)
+            if ulysses.ulysses_dim(bound["query"], bound["key"], bound["value"]) is not None:
+                return ulysses.ulysses_attention(func, args, kwargs)
         return _composite(c, plan, tensors, fill, fill_kwargs)
     if plan.inplace is not None:
         _check_inplace(name, tensors[plan.inplace])
