@@ -86,6 +86,16 @@ def phase(name: str):
         _phase.pop()
 
 
+def kind_label(rec: CommRecord) -> str:
+    """How tables name a record's collective: its kind, marked when backward ran it.
+
+    >>> kind_label(CommRecord("all_reduce", 0, "dp", ((0, 1),), 8, "sum", "backward"))
+    'all_reduce (backward)'
+    """
+    return rec.kind if getattr(rec, "phase", "forward") == "forward" else \
+        f"{rec.kind} ({rec.phase})"
+
+
 def record(rec: CommRecord) -> None:
     """Tell every open ledger about one issued collective."""
     for ledger in _listeners:
