@@ -395,7 +395,8 @@ class Interpreter:
             found = [None] * len(graph.leaves)
         result = []
         for leaf, g, scale in zip(graph.leaves, found, instr.in_scales):
-            g = torch.zeros_like(leaf, requires_grad=False) if g is None else g
+            if g is None or g._is_zerotensor():  # unused, or torch's lazy zeros (sgn')
+                g = torch.zeros_like(leaf, requires_grad=False)
             result.append(g if scale is None else g * scale)
         return result
 
