@@ -252,16 +252,26 @@ def test_module_parameters_require_grad_buffers_do_not(mesh2d):
     assert not lin.weight.requires_grad and lin.weight.dtype == torch.float64
 
 
-def test_value_dependent_ops_beside_requires_grad(mesh1d):
-    """Ops that run eagerly: their integer/bool results come back as without autograd; a
-    floating result cannot be recorded, so it raises instead of cutting the graph."""
+def test_value_dependent_ops_are_recorded_too(mesh1d):
+    """Ops that run eagerly (their output shapes depend on the values) keep their graph:
+    torch's gradients, torch's requires_grad flags on their outputs."""
     v = torch.tensor([0.0, 1.5, 0.0, -2.0, 3.0, 0.0, 1.0, 1.5])
+    t = v.clone().requires_grad_()
     x = dtorch.tensor(v, device_mesh=mesh1d, requires_grad=True)
     assert torch.allclose(x, x) is True
     assert torch.equal(torch.nonzero(x).to_torch(), torch.nonzero(v))
-    with pytest.raises(dtorch.UnsupportedOpError, match="cannot record it for backward"):
-        torch.unique(x)
-    assert torch.equal(torch.unique(x.detach()).to_torch(), torch.unique(v))
+    assert torch.unique(x).requires_grad == torch.unique(t).requires_grad
+    picked, want = torch.masked_select(x, x > 0), torch.masked_select(t, t > 0)
+    assert picked.requires_grad and picked.grad_fn is not None
+    (picked * picked).sum().backward()
+    (want * want).sum().backward()
+    torch.testing.assert_close(x.grad.to_torch(), t.grad)
+    m = torch.randn(3, 5, dtype=torch.float64)
+    tm = m.clone().requires_grad_()
+    dm = dtorch.tensor(m, device_mesh=mesh1d, requires_grad=True)
+    (torch.cov(dm) ** 2).sum().backward()
+    (torch.cov(tm) ** 2).sum().backward()
+    torch.testing.assert_close(dm.grad.to_torch(), tm.grad)
     usable(mesh1d)
 
 

@@ -131,19 +131,28 @@ def _composite(c, plan, tensors, fill, fill_kwargs):
 
 
 def _eager(c, func, plan, cargs, ckwargs, tensors, name):
-    """An op whose outputs depend on the values runs as it does without autograd; its
-    non-floating results (``nonzero``'s indices, ``allclose``'s bool) are returned, but a
-    floating output cannot be recorded, so it raises rather than silently cut the graph."""
+    """An op whose outputs depend on the values (all inputs Replicate) runs now, one round
+    trip, with its local graph kept: its floating tensor outputs (Replicate) are the node's
+    outputs, in pytree order, as the ranks keep them."""
     from ..ops import generic
     from ..ops.dispatch import _eager_wrap
     from ..tensor import DTensor
     mesh = tensors[0]._spec.mesh
-    result = generic.run_eager(c, plan.fn, cargs, ckwargs, mesh, _eager_wrap(mesh, c))
-    for leaf in pytree.tree_leaves(result):
-        if isinstance(leaf, DTensor) and (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
-            raise UnsupportedOpError(
-                f"{name}: its outputs depend on the values (it runs eagerly), so dtorch cannot "
-                f"record it for backward. Call it on x.detach(), or under torch.no_grad()")
+    grad_inputs = _unique([t for t in tensors if requires(t)])
+    node_id, flags = c.new_tid(), []
+    try:
+        result = generic.run_eager(c, plan.fn, cargs, ckwargs, mesh, _eager_wrap(mesh, c),
+                                   node_id, tuple(t._tid for t in grad_inputs), flags)
+    except BaseException:
+        c.release_graph(node_id, mesh.ranks)  # the ranks kept the failure under the node
+        raise
+    outs = [v for v in pytree.tree_leaves(result) if isinstance(v, DTensor)]
+    node = Node(node_id, name.split(".")[-1] + "Backward", c, mesh,
+                [t._spec for t in grad_inputs], [o._spec for o in outs],
+                [edge_of(t) for t in grad_inputs], keeps_graph=True)
+    for i, (out, flag) in enumerate(zip(outs, flags)):
+        if flag:
+            mark_output(out, node, i)
     return result
 
 

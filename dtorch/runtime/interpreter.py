@@ -446,21 +446,56 @@ class Interpreter:
         on data, so the controller learns the outputs from a rank)."""
         if self.rank not in instr.ranks:
             return None
-        self._poisoned_arg = None
-        args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
-        if self._poisoned_arg is not None:
-            self.store[instr.out] = self._poisoned_arg
+        if instr.node is not None:
+            self._eager_recorded(instr)
         else:
-            try:
-                self.store[instr.out] = instr.fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001
-                self.store[instr.out] = self._fail(getattr(instr.fn, "__name__", "op"), exc)
+            self._poisoned_arg = None
+            args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
+            if self._poisoned_arg is not None:
+                self.store[instr.out] = self._poisoned_arg
+            else:
+                try:
+                    self.store[instr.out] = instr.fn(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001
+                    self.store[instr.out] = self._fail(getattr(instr.fn, "__name__", "op"),
+                                                       exc)
         if self.rank != instr.answer_rank:
             return None
         value = self.store[instr.out]
         if isinstance(value, Poison):
             return instr.req, ("err", value.failure)
-        return instr.req, ("ok", pickle.dumps(describe_result(value)))
+        spec, leaves = describe_result(value)
+        graph = self.graphs.get(instr.node) if instr.node is not None else None
+        if isinstance(graph, LocalGraph):  # which tensor outputs require grad
+            flags = iter([o.requires_grad for o in graph.outputs])
+            leaves = [leaf + (next(flags),) if leaf[0] == "tensor" else leaf for leaf in leaves]
+        return instr.req, ("ok", pickle.dumps((spec, leaves)))
+
+    def _eager_recorded(self, instr: m.Eager):
+        """An eager op with autograd on: its graph kept under ``instr.node``, its result
+        stored detached (the Unflatten that follows splits it)."""
+        try:
+            leaves = {}
+            for tid in instr.grad_tids:
+                value = self.store[tid]
+                if isinstance(value, Poison):
+                    raise RuntimeError(f"an input failed: {value.failure.message}")
+                leaves[tid] = value.detach().requires_grad_()
+            self._poisoned_arg = None
+            args = self._resolve(instr.args, leaves)
+            kwargs = self._resolve(instr.kwargs, leaves)
+            if self._poisoned_arg is not None:
+                raise RuntimeError(f"an input failed: {self._poisoned_arg.failure.message}")
+            with torch.enable_grad():
+                result = instr.fn(*args, **kwargs)
+            outputs = tuple(v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor))
+            self.graphs[instr.node] = LocalGraph(tuple(leaves.values()), outputs)
+            self.store[instr.out] = pytree.tree_map(
+                lambda v: v.detach() if isinstance(v, torch.Tensor) else v, result)
+        except Exception as exc:  # noqa: BLE001
+            poison = self._fail(getattr(instr.fn, "__name__", "op"), exc)
+            self.store[instr.out] = poison
+            self.graphs[instr.node] = poison
 
     def _unflatten(self, instr: m.Unflatten):
         """Replace a kept result by its tensor leaves, stored under ``outs``."""

@@ -107,7 +107,9 @@ class Free(NamedTuple):
 
 class Eager(NamedTuple):
     """Run ``fn`` on local shards and keep its whole result as ``out``; ``answer_rank``
-    answers ``req`` with its structure (ops whose outputs depend on the values)."""
+    answers ``req`` with its structure (ops whose outputs depend on the values). With
+    ``node``, recorded as a ``RecordedCall`` is: the inputs ``grad_tids`` as leaves, the
+    result's tensor leaves (in pytree order) the graph's outputs, kept under ``node``."""
 
     req: int
     out: int
@@ -116,6 +118,8 @@ class Eager(NamedTuple):
     kwargs: dict
     ranks: tuple[int, ...]
     answer_rank: int
+    node: int | None = None
+    grad_tids: tuple[int, ...] = ()
 
 
 class Unflatten(NamedTuple):
