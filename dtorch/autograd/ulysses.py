@@ -25,20 +25,22 @@ def bind(args, kwargs) -> dict:
 
 
 def ulysses_dim(q, k, v) -> int | None:
-    """The ``ulysses_cp`` mesh dim when Ulysses alone is active and the heads split evenly
-    enough for query and key/value to stay aligned (else None: the composite runs)."""
+    """The ``ulysses_cp`` mesh dim when Ulysses alone is active, the other mesh dims hold
+    query, key and value Replicate or batch-sharded, and the heads split evenly enough for
+    query and key/value to stay aligned (else None: the composite runs)."""
     from ..ops.cp_attention import cp_dims
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return None
     dims = cp_dims(q.device_mesh)
     u = dims.get("ulysses_cp")
-    ring = dims.get("ring_cp")
-    if u is None or "ulysses_cp2" in dims or "ring_cp2" in dims:
+    if u is None or "ulysses_cp2" in dims:
         return None
-    if ring is not None and any(t.placements[ring] == Shard(SEQ) for t in (q, k, v)):
-        return None
-    if any(t.placements[u] != Shard(SEQ) for t in (q, k, v)):
-        return None
+    for m in range(q.device_mesh.ndim):
+        for t in (q, k, v):
+            p = t.placements[m]
+            if (m == u and p != Shard(SEQ)) or (m != u and not (p.is_replicate() or
+                                                                p == Shard(0))):
+                return None  # a ring, heads split on tp, ...: the composite runs
     n, hq, hk = q.device_mesh.shape[u], q.shape[HEADS], k.shape[HEADS]
     if hq != hk and (hq % n or hk % n):
         return None
