@@ -93,6 +93,8 @@ def register_hook(x, hook) -> RemovableHandle:
     meta = x._ag
     if meta is None or not meta.requires_grad:
         raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+    if meta.hooks is None:
+        meta.hooks = OrderedDict()
     handle = RemovableHandle(meta.hooks)
     meta.hooks[handle.id] = hook
     return handle

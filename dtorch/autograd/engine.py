@@ -268,6 +268,8 @@ def combine(grads: list, target):
 
 
 def _run_hooks(meta: AutogradMeta, g):
+    if not meta.hooks:
+        return g
     for hook in list(meta.hooks.values()):
         new = hook(g)
         if new is not None:

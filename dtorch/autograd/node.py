@@ -17,7 +17,6 @@ next batch, like a freed tensor). Example::
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from typing import NamedTuple
 
 from . import cotangent
@@ -35,7 +34,7 @@ class AutogradMeta:
         self.grad_fn = grad_fn
         self.output_nr = output_nr
         self.retains_grad = False
-        self.hooks: OrderedDict = OrderedDict()  # handle id -> fn(grad) -> grad or None
+        self.hooks: OrderedDict | None = None  # handle id -> fn(grad) -> grad or None
 
 
 class Edge(NamedTuple):

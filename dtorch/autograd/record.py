@@ -53,21 +53,29 @@ def requires(t) -> bool:
 
 
 NOT_RECORDED = object()
+_deps = None  # (DTensor._wrap, infer.rebuild, registry.display_name), bound on first use
+
+
+def _load_deps():
+    """The ops-side helpers, imported once (dtorch.ops imports this module)."""
+    global _deps
+    from ..ops.dispatch import _wrap
+    from ..ops.infer import rebuild
+    from ..ops.registry import display_name
+    _deps = (_wrap, rebuild, display_name)
+    return _deps
 
 
 def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill, fill_kwargs):
     """Issue ``func``'s planned call with its local graph kept; returns the result with the
     outputs marked, or NOT_RECORDED when no output requires grad (the plain call runs).
     ``fill(template, tensors)`` / ``fill_kwargs`` fill a plan's argument template."""
-    from ..ops.dispatch import EAGER, _wrap
-    from ..ops.infer import rebuild
-    from ..ops.registry import display_name
-    name = display_name(func)
+    _wrap, rebuild, display_name = _deps or _load_deps()
     outputs = plan.outputs
     if outputs.kind == "value":
         return outputs.value
-    if outputs is EAGER:
-        return _eager(c, func, plan, cargs, ckwargs, tensors, name)
+    if outputs.kind == "eager":
+        return _eager(c, func, plan, cargs, ckwargs, tensors, display_name(func))
     if type(plan.fn) is m.CompositePlan:
         from . import ulysses
         if func is torch.nn.functional.scaled_dot_product_attention:
@@ -76,13 +84,13 @@ def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill,
                 return ulysses.ulysses_attention(func, args, kwargs)
         return _composite(c, plan, tensors, fill, fill_kwargs)
     if plan.inplace is not None:
-        _check_inplace(name, tensors[plan.inplace])
+        _check_inplace(func, tensors[plan.inplace])
     mask = tuple(requires(t) for t in tensors)
     info = grad_info(key, mask, func, plan, args, kwargs)
     grad_inputs = _unique([t for t in tensors if requires(t)])
     if not any(info.differentiable):
         return NOT_RECORDED  # argmax, a comparison: the plain call, nothing recorded
-    _check_placements(name, grad_inputs, [s for s, d in zip(plan.out_specs, info.differentiable)
+    _check_placements(func, grad_inputs, [s for s, d in zip(plan.out_specs, info.differentiable)
                                           if d])
     if plan.args is not None:
         cargs, ckwargs = fill(plan.args, tensors), fill_kwargs(plan.kwargs, tensors)
@@ -165,16 +173,22 @@ def _unique(tensors) -> list:
     return out
 
 
-def _check_inplace(name, target) -> None:
+def _check_inplace(func, target) -> None:
     meta = target._ag
     if meta is not None and meta.requires_grad and meta.grad_fn is None:
         raise RuntimeError(
-            f"{name}: a leaf Variable that requires grad is being used in an in-place "
+            f"{_deps[2](func)}: a leaf Variable that requires grad is being used in an in-place "
             f"operation. Run it under torch.no_grad() (as optimizers do), or use the "
             f"out-of-place op")
 
 
-def _check_placements(name, grad_inputs, out_specs) -> None:
+def _check_placements(func, grad_inputs, out_specs) -> None:
+    name = None
+    for t in grad_inputs + list(out_specs):
+        if cotangent.not_differentiable(t.placements) is not None:
+            name = _deps[2](func)
+    if name is None:
+        return
     for t in grad_inputs:
         p = cotangent.not_differentiable(t.placements)
         if p is not None:
