@@ -15,6 +15,7 @@ planned steps the workers execute). Any number of ledgers may listen at once: ev
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterable, NamedTuple
 
 COMM_KINDS = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "send_recv",
@@ -31,6 +32,7 @@ class CommRecord(NamedTuple):
     groups: tuple[tuple[int, ...], ...]
     bytes_per_rank: int
     reduce_op: str | None = None
+    phase: str = "forward"  # "backward" for the collectives a backward pass ran
 
     @property
     def total_bytes(self) -> int:
@@ -71,6 +73,27 @@ class CommLedger:
 
 
 _listeners: list[CommLedger] = []
+_phase = ["forward"]
+
+
+@contextmanager
+def phase(name: str):
+    """Records made inside are marked ``phase=name`` (the autograd engine: "backward")."""
+    _phase.append(name)
+    try:
+        yield
+    finally:
+        _phase.pop()
+
+
+def kind_label(rec: CommRecord) -> str:
+    """How tables name a record's collective: its kind, marked when backward ran it.
+
+    >>> kind_label(CommRecord("all_reduce", 0, "dp", ((0, 1),), 8, "sum", "backward"))
+    'all_reduce (backward)'
+    """
+    return rec.kind if getattr(rec, "phase", "forward") == "forward" else \
+        f"{rec.kind} ({rec.phase})"
 
 
 def record(rec: CommRecord) -> None:
@@ -87,7 +110,8 @@ def record_steps(steps: Iterable) -> None:
     for s in steps:
         if s.kind in COMM_KINDS:
             op = s.src.reduce_op if s.kind in ("all_reduce", "reduce_scatter") else None
-            record(CommRecord(s.kind, s.mesh_dim, s.mesh_dim_name, s.groups, s.bytes_per_rank, op))
+            record(CommRecord(s.kind, s.mesh_dim, s.mesh_dim_name, s.groups, s.bytes_per_rank, op,
+                              _phase[-1]))
 
 
 def listen(ledger: CommLedger) -> None:

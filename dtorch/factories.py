@@ -41,8 +41,21 @@ def _size(size) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _grad(t: DTensor, requires_grad) -> DTensor:
+    """``requires_grad=True`` as torch's factories take it (float and complex dtypes only)."""
+    return t.requires_grad_() if requires_grad else t
+
+
+def _check_grad_dtype(dtype, requires_grad) -> None:
+    """Refuse before anything is sent, with torch's message."""
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise RuntimeError(f"only Tensors of floating point dtype can require "
+                           f"gradients (got dtype={dtype}); pass a float dtype")
+
+
 def _create(fn: str, shape, dtype, device_mesh, placements, device=None, args=(),
-            all_ranks=False) -> DTensor:
+            all_ranks=False, requires_grad=False) -> DTensor:
+    _check_grad_dtype(dtype, requires_grad)
     mesh = mesh_or_default(device_mesh, device)
     spec = make_spec(shape, dtype, mesh, placements)
     c = session.get_controller()
@@ -50,7 +63,7 @@ def _create(fn: str, shape, dtype, device_mesh, placements, device=None, args=()
     tid = c.new_tid()
     c.issue(m.Create(tid, fn, tuple(args), {}, spec.shape, spec.dtype, mesh, spec.placements,
                      mesh.ranks, all_ranks))
-    return DTensor._wrap(spec, tid, c)
+    return _grad(DTensor._wrap(spec, tid, c), requires_grad)
 
 
 def _float_dtype(dtype):
@@ -60,19 +73,22 @@ def _float_dtype(dtype):
 def zeros(*size, dtype=None, device_mesh=None, placements=None, device=None,
           requires_grad=False) -> DTensor:
     """``dtorch.zeros(4, 8, device_mesh=mesh, placements=[Shard(0)])``."""
-    return _create("zeros", _size(size), _float_dtype(dtype), device_mesh, placements, device)
+    return _create("zeros", _size(size), _float_dtype(dtype), device_mesh, placements, device,
+                   requires_grad=requires_grad)
 
 
 def ones(*size, dtype=None, device_mesh=None, placements=None, device=None,
          requires_grad=False) -> DTensor:
     """``dtorch.ones(4, 8, device_mesh=mesh)``; a Partial('sum') one holds the ones once."""
-    return _create("ones", _size(size), _float_dtype(dtype), device_mesh, placements, device)
+    return _create("ones", _size(size), _float_dtype(dtype), device_mesh, placements, device,
+                   requires_grad=requires_grad)
 
 
 def empty(*size, dtype=None, device_mesh=None, placements=None, device=None,
           requires_grad=False) -> DTensor:
     """Uninitialized values, like ``torch.empty``."""
-    return _create("empty", _size(size), _float_dtype(dtype), device_mesh, placements, device)
+    return _create("empty", _size(size), _float_dtype(dtype), device_mesh, placements, device,
+                   requires_grad=requires_grad)
 
 
 def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None, device=None,
@@ -81,21 +97,21 @@ def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None, dev
     if dtype is None:
         dtype = torch.full((), fill_value).dtype
     return _create("full", _size((size,)), dtype, device_mesh, placements, device,
-                   (fill_value,))
+                   (fill_value,), requires_grad=requires_grad)
 
 
 def rand(*size, dtype=None, device_mesh=None, placements=None, device=None,
          requires_grad=False) -> DTensor:
     """Uniform [0, 1) values equal to ``torch.rand`` under the same ``manual_seed``."""
     return _create("rand", _size(size), _float_dtype(dtype), device_mesh, placements, device,
-                   all_ranks=True)
+                   all_ranks=True, requires_grad=requires_grad)
 
 
 def randn(*size, dtype=None, device_mesh=None, placements=None, device=None,
           requires_grad=False) -> DTensor:
     """Normal values equal to ``torch.randn`` under the same ``manual_seed``."""
     return _create("randn", _size(size), _float_dtype(dtype), device_mesh, placements, device,
-                   all_ranks=True)
+                   all_ranks=True, requires_grad=requires_grad)
 
 
 def randint(low, high=None, size=None, *, dtype=None, device_mesh=None, placements=None,
@@ -106,7 +122,7 @@ def randint(low, high=None, size=None, *, dtype=None, device_mesh=None, placemen
     if size is None:
         raise TypeError("randint needs a size, e.g. dtorch.randint(0, 10, (4, 4))")
     return _create("randint", _size((size,)), dtype or torch.int64, device_mesh, placements,
-                   device, (low, high), all_ranks=True)
+                   device, (low, high), all_ranks=True, requires_grad=requires_grad)
 
 
 def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None,
@@ -116,39 +132,48 @@ def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=
         start, end = 0, start
     meta = torch.arange(start, end, step, dtype=dtype, device="meta")
     return _create("arange", tuple(meta.shape), meta.dtype, device_mesh, placements, device,
-                   (start, end, step))
+                   (start, end, step), requires_grad=requires_grad)
 
 
-def _like(fn, t: DTensor, dtype, device_mesh, placements, **kw):
+def _like(fn, t: DTensor, dtype, device_mesh, placements, requires_grad=False, **kw):
+    """``kw``: torch's ``layout=``, ``memory_format=``, ... (DTensors are dense, strided)."""
     return fn(*t.shape, dtype=dtype or t.dtype,
               device_mesh=device_mesh if device_mesh is not None else t.device_mesh,
-              placements=placements if placements is not None else t.placements, **kw)
+              placements=placements if placements is not None else t.placements,
+              requires_grad=requires_grad)
 
 
-def zeros_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
-    return _like(zeros, t, dtype, device_mesh, placements)
+def zeros_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
+               **kw) -> DTensor:
+    return _like(zeros, t, dtype, device_mesh, placements, requires_grad)
 
 
-def ones_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
-    return _like(ones, t, dtype, device_mesh, placements)
+def ones_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
+              **kw) -> DTensor:
+    return _like(ones, t, dtype, device_mesh, placements, requires_grad)
 
 
-def empty_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
-    return _like(empty, t, dtype, device_mesh, placements)
+def empty_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
+               **kw) -> DTensor:
+    return _like(empty, t, dtype, device_mesh, placements, requires_grad)
 
 
-def rand_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
-    return _like(rand, t, dtype, device_mesh, placements)
+def rand_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
+              **kw) -> DTensor:
+    return _like(rand, t, dtype, device_mesh, placements, requires_grad)
 
 
-def randn_like(t, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
-    return _like(randn, t, dtype, device_mesh, placements)
+def randn_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
+               **kw) -> DTensor:
+    return _like(randn, t, dtype, device_mesh, placements, requires_grad)
 
 
-def full_like(t, fill_value, *, dtype=None, device_mesh=None, placements=None, **kw) -> DTensor:
+def full_like(t, fill_value, *, dtype=None, device_mesh=None, placements=None,
+              requires_grad=False, **kw) -> DTensor:
     return full(tuple(t.shape), fill_value, dtype=dtype or t.dtype,
                 device_mesh=device_mesh if device_mesh is not None else t.device_mesh,
-                placements=placements if placements is not None else t.placements)
+                placements=placements if placements is not None else t.placements,
+                requires_grad=requires_grad)
 
 
 def tensor(data, dtype=None, device_mesh=None, placements=None, device=None,
@@ -169,6 +194,7 @@ def tensor(data, dtype=None, device_mesh=None, placements=None, device=None,
         raise UnsupportedOpError(f"dtorch.tensor takes dense tensors; this one is "
                                  f"{value.layout}. Convert it first: t.to_dense()")
     value = value.cpu()
+    _check_grad_dtype(value.dtype, requires_grad)
     mesh = mesh_or_default(device_mesh, device)
     spec = make_spec(value.shape, value.dtype, mesh, placements)
     c = session.get_controller()
@@ -178,7 +204,7 @@ def tensor(data, dtype=None, device_mesh=None, placements=None, device=None,
         c.stage(rank, tid, layout.shard_of(value, mesh, spec.placements,
                                            mesh.get_coordinate(rank)))
     c.issue(m.Load(tid, mesh.ranks))
-    return DTensor._wrap(spec, tid, c)
+    return _grad(DTensor._wrap(spec, tid, c), requires_grad)
 
 
 def from_local(local_tensors, device_mesh: DeviceMesh, placements, shape=None) -> DTensor:
@@ -217,9 +243,15 @@ def from_local(local_tensors, device_mesh: DeviceMesh, placements, shape=None) -
     return DTensor._wrap(spec, tid, c)
 
 
-def distribute_tensor(tensor_, device_mesh: DeviceMesh, placements=None) -> DTensor:
-    """PyTorch's name for :func:`tensor`: ``distribute_tensor(t, mesh, [Shard(0)])``."""
-    return tensor(tensor_, device_mesh=device_mesh, placements=placements)
+def distribute_tensor(tensor_, device_mesh: DeviceMesh, placements=None, *,
+                      requires_grad=None) -> DTensor:
+    """PyTorch's name for :func:`tensor`: ``distribute_tensor(t, mesh, [Shard(0)])``; the
+    result requires grad when ``tensor_`` does (a new leaf: gradients do not flow back to
+    the torch tensor)."""
+    if requires_grad is None:
+        requires_grad = isinstance(tensor_, torch.Tensor) and tensor_.requires_grad
+    return tensor(tensor_, device_mesh=device_mesh, placements=placements,
+                  requires_grad=requires_grad)
 
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "zeros_like",

@@ -54,15 +54,18 @@ def make_spec(shape, dtype, mesh, placements) -> TensorSpec:
 class DTensor:
     """A distributed tensor: ``dtorch.Tensor(torch_tensor, device_mesh=, placements=)``."""
 
-    __slots__ = ("_spec", "_tid", "_controller", "__weakref__")
+    __slots__ = ("_spec", "_tid", "_controller", "_ag", "__weakref__")
 
-    def __init__(self, data, device_mesh: DeviceMesh | None = None, placements=None):
+    def __init__(self, data, device_mesh: DeviceMesh | None = None, placements=None,
+                 requires_grad: bool = False):
         from .factories import tensor as _tensor
-        made = _tensor(data, device_mesh=device_mesh, placements=placements)
+        made = _tensor(data, device_mesh=device_mesh, placements=placements,
+                       requires_grad=requires_grad)
         self._adopt(made)
 
     def _adopt(self, other: "DTensor") -> None:
         self._spec, self._tid, self._controller = other._spec, other._tid, other._controller
+        self._ag = other._ag
         other._tid = None
         other._controller = None
 
@@ -70,6 +73,7 @@ class DTensor:
     def _wrap(cls, spec: TensorSpec, tid: int, controller) -> "DTensor":
         obj = cls.__new__(cls)
         obj._spec, obj._tid, obj._controller = spec, tid, controller
+        obj._ag = None  # autograd state (dtorch.autograd.node.AutogradMeta) once it needs one
         controller.live_tensors += 1
         return obj
 
@@ -132,7 +136,7 @@ class DTensor:
         spec, tid, cleanup = self._spec, self._tid, None
         if any(p.is_partial() for p in spec.placements):
             target = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
-            reduced = self._redistribute_to(spec.mesh, target)
+            reduced = self._move(spec.mesh, target)
             spec, tid = reduced._spec, reduced._tid
             cleanup = reduced  # kept alive until the answers are in
         blocks = _distinct_blocks(spec)
@@ -217,6 +221,16 @@ class DTensor:
         return self._redistribute_to(mesh, placements)
 
     def _redistribute_to(self, mesh: DeviceMesh, placements) -> "DTensor":
+        """The redistribute users call: recorded for backward when ``self`` requires grad."""
+        out = self._move(mesh, placements)
+        if out is not self and self._ag is not None and self._ag.requires_grad and \
+                torch.is_grad_enabled():
+            from .autograd.redistribute import record_redistribute
+            record_redistribute(self, out)
+        return out
+
+    def _move(self, mesh: DeviceMesh, placements) -> "DTensor":
+        """The planned redistribute itself (never recorded: values, gradients)."""
         c = self._live()
         spec = self._spec
         steps = plan_redistribute(spec.mesh, spec.shape, spec.placements, placements,
@@ -301,6 +315,70 @@ class DTensor:
         from dtorch_widgets.display import dtensor_mimebundle
         return dtensor_mimebundle(self, include, exclude)
 
+    # autograd (dtorch.autograd) ----------------------------------------------------------------
+    @property
+    def requires_grad(self) -> bool:
+        return self._ag is not None and self._ag.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        self.requires_grad_(flag)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
+        """Like torch's: leaves only; floating point and complex dtypes only."""
+        return _autograd().requires_grad_(self, requires_grad)
+
+    @property
+    def grad(self) -> "DTensor | None":
+        """The accumulated gradient (a DTensor with this tensor's placements) or None."""
+        return self._ag.grad if self._ag is not None else None
+
+    @grad.setter
+    def grad(self, value) -> None:
+        _autograd().set_grad(self, value)
+
+    @property
+    def grad_fn(self):
+        """The node that made this tensor (``.name()`` as torch's), None for a leaf."""
+        return self._ag.grad_fn if self._ag is not None else None
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._ag is None or self._ag.grad_fn is None
+
+    @property
+    def retains_grad(self) -> bool:
+        return self._ag is not None and self._ag.retains_grad
+
+    @property
+    def output_nr(self) -> int:
+        return self._ag.output_nr if self._ag is not None else 0
+
+    @property
+    def data(self) -> "DTensor":
+        """A detached handle over the same shards (as torch's ``.data``)."""
+        return self.detach()
+
+    def detach(self) -> "DTensor":
+        """A new handle on the same local tensors, outside the graph (shares memory)."""
+        return _autograd().detach(self)
+
+    def detach_(self) -> "DTensor":
+        return _autograd().detach_(self)
+
+    def retain_grad(self) -> None:
+        """Keep this non-leaf's gradient in ``.grad`` after backward."""
+        _autograd().retain_grad(self)
+
+    def register_hook(self, hook):
+        """``hook(grad) -> DTensor or None`` runs when this tensor's gradient is computed."""
+        return _autograd().register_hook(self, hook)
+
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        """Accumulate gradients into the leaves' ``.grad`` (see dtorch.autograd.backward)."""
+        from . import autograd
+        autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
+
     # ops: torch functions, methods and operators (rules in dtorch.ops) ------------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -318,6 +396,11 @@ class DTensor:
 
 def _identity(x):
     return x
+
+
+def _autograd():
+    from .autograd import api
+    return api
 
 
 @lru_cache(maxsize=1024)
@@ -372,9 +455,10 @@ for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__
               "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
               "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__and__",
               "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__",
-              "__rshift__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+              "__rshift__", "__rlshift__", "__rrshift__", "__eq__", "__ne__", "__lt__", "__le__",
+              "__gt__", "__ge__",
               "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-              "__ipow__", "__iand__", "__ior__", "__ixor__"):
+              "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"):
     setattr(DTensor, _name, _binary_dunder(getattr(torch.Tensor, _name)))
 for _name in ("__neg__", "__pos__", "__abs__", "__invert__"):
     setattr(DTensor, _name, _unary_dunder(getattr(torch.Tensor, _name)))

@@ -10,6 +10,8 @@ form is what ``text/plain`` frontends and saved notebooks show. Example::
     >>> recs = [CommRecord("all_reduce", 1, "tp", ((0, 1), (2, 3)), 64, "sum")] * 2
     >>> summary_text(recs + [CommRecord("all_to_all", 0, "dp", ((0, 2), (1, 3)), 2048)])
     'dtorch: 3 collectives: all_reduce x2 (dim tp, 128 B/rank); all_to_all x1 (dim dp, 2.0 KiB/rank)'
+    >>> summary_text([CommRecord("all_reduce", 0, "dp", g, 64, "sum", "backward")])
+    'dtorch: all_reduce (backward) x1 (dim dp, 64 B/rank)'
     >>> summary_text([])
     ''
 """
@@ -42,10 +44,12 @@ def dim_text(rec) -> str:
 
 
 def rows(records) -> list[tuple[str, str, int, int]]:
-    """``(kind, dim text, count, bytes per rank)`` per kind and mesh dim."""
+    """``(kind, dim text, count, bytes per rank)`` per kind and mesh dim; a backward's
+    collectives are rows of their own (``all_reduce (backward)``)."""
+    from dtorch.comm_debug import kind_label
     out: dict[tuple[str, str], list[int]] = {}
     for rec in records:
-        row = out.setdefault((rec.kind, dim_text(rec)), [0, 0])
+        row = out.setdefault((kind_label(rec), dim_text(rec)), [0, 0])
         row[0] += 1
         row[1] += rec.bytes_per_rank
     return [(k, d, c, b) for (k, d), (c, b) in out.items()]

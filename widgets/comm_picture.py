@@ -34,9 +34,10 @@ def comm_rows(records) -> list[tuple[str, str, int, int, int]]:
     >>> comm_rows([r, r])
     [('all_gather', 'dp', 2, 32, 64)]
     """
+    from dtorch.comm_debug import kind_label
     rows: dict[tuple[str, str], list[int]] = {}
-    for rec in records:
-        row = rows.setdefault((rec.kind, record_dim(rec)), [0, 0, 0])
+    for rec in records:  # a backward's collectives are rows of their own
+        row = rows.setdefault((kind_label(rec), record_dim(rec)), [0, 0, 0])
         row[0] += 1
         row[1] += rec.bytes_per_rank
         row[2] += rec.total_bytes
@@ -46,6 +47,7 @@ def comm_rows(records) -> list[tuple[str, str, int, int, int]]:
 def kind_color(kind: str) -> str:
     """One colour per collective kind (a kind's index among dtorch's kinds)."""
     from dtorch.comm_debug import COMM_KINDS
+    kind = kind.split(" ")[0]  # "all_reduce (backward)": the kind's colour
     return rank_color(COMM_KINDS.index(kind) if kind in COMM_KINDS else len(COMM_KINDS))
 
 

@@ -213,12 +213,14 @@ _reg("none", ("input", "other"),
       "__rfloordiv__", "remainder", "fmod", "__mod__", "__rmod__", "atan2", "arctan2", "hypot",
       "copysign", "xlogy", "nextafter", "logaddexp", "logaddexp2", "bitwise_and",
       "bitwise_or", "bitwise_xor", "__and__", "__or__", "__xor__", "__rand__", "__ror__",
-      "__rxor__", "__lshift__", "__rshift__", "bitwise_left_shift", "bitwise_right_shift",
+      "__rxor__", "__lshift__", "__rshift__", "__rlshift__", "__rrshift__", "bitwise_left_shift",
+      "bitwise_right_shift",
       "logical_and", "logical_or", "logical_xor", "heaviside", "polar"),
      ("pow_", "__ipow__", "float_power_", "floor_divide_", "__ifloordiv__", "remainder_",
       "fmod_", "__imod__", "atan2_", "arctan2_", "hypot_", "copysign_", "xlogy_",
       "logaddexp_", "bitwise_and_", "bitwise_or_", "bitwise_xor_", "__iand__", "__ior__",
-      "__ixor__", "logical_and_", "logical_or_", "logical_xor_"))
+      "__ixor__", "__ilshift__", "__irshift__", "bitwise_left_shift_", "bitwise_right_shift_",
+      "logical_and_", "logical_or_", "logical_xor_"))
 _reg("none", ("input", "end", "weight"), ("lerp",), ("lerp_",), ("input", "end", "weight"))
 _reg("none", ("input", "tensor1", "tensor2"), ("addcmul", "addcdiv"), ("addcmul_", "addcdiv_"),
      ("input", "tensor1", "tensor2"))

@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .. import comm_debug
+from ..autograd.record import NOT_RECORDED, record_call, wants_grad
 from ..errors import MixedTensorError, PlacementError, UnsupportedOpError
 from ..runtime import messages as m
 from ..runtime import session
@@ -141,8 +142,9 @@ def _fast_binary(func, args):
     else:
         return None
     plan = _cache.get(key)
-    if plan is None or not plan.simple:
-        return None
+    if plan is None or not plan.simple or a._ag is not None or (tb is DTensor and
+                                                                 b._ag is not None):
+        return None  # autograd state: the full path decides whether to record
     if c is not session._controller or a._tid is None:
         a._live()
     tid = c.new_tid()
@@ -185,6 +187,11 @@ def _dispatch(func, args, kwargs=None):
             t._live()
     if c is not session._controller:
         tensors[0]._live()
+    if wants_grad(tensors):  # some input requires grad: record a node, keep the local graph
+        out = record_call(c, func, plan, key, args, kwargs or {}, tensors, cargs, ckwargs,
+                          _fill, _fill_kwargs)
+        if out is not NOT_RECORDED:
+            return out
     outputs = plan.outputs
     if outputs.kind == "value":
         return outputs.value

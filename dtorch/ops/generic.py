@@ -20,6 +20,7 @@ generator would draw its own numbers. Example::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pickle
 import warnings
@@ -116,8 +117,18 @@ def picklable(fn):
     for home, ns in _HOMES:
         if name and getattr(ns, name, None) is fn:
             return ByName(home, name)
+    dunder = _tensor_dunders().get(id(fn))
+    if dunder is not None:  # torch.Tensor.__pow__ is a wrapper named "pow": send it by slot
+        return ByName("torch.Tensor", dunder)
     raise UnsupportedOpError(f"{display_name(fn)} cannot be sent to the ranks (pickle cannot "
                              f"find it by name); call a torch function instead")
+
+
+@functools.lru_cache(maxsize=1)
+def _tensor_dunders() -> dict:
+    """``{id(torch.Tensor.__pow__): "__pow__", ...}``: operator slots by identity."""
+    return {id(v): k for k, v in vars(torch.Tensor).items()
+            if k.startswith("__") and k.endswith("__") and callable(v)}
 
 
 def all_replicate(tensors) -> bool:
@@ -142,15 +153,18 @@ def random_reason(func, args, kwargs) -> str | None:
     return None
 
 
-def run_eager(controller, func, cargs, ckwargs, mesh, wrap):
+def run_eager(controller, func, cargs, ckwargs, mesh, wrap, node=None, grad_tids=(),
+              requires_grad=None):
     """Run ``func`` on every rank of ``mesh`` now and return its result with DTensors
-    (``wrap(shape, dtype, tid)``) in place of the output tensors: one round trip."""
+    (``wrap(shape, dtype, tid)``) in place of the output tensors: one round trip. With
+    ``node``, the ranks keep its autograd graph (see ``Eager``) and ``requires_grad`` (a
+    list) receives, per output tensor, whether it requires grad there."""
     from ..runtime.controller import remote_error
     raw = controller.new_tid()
     ranks = mesh.ranks
     answers = controller.wait(controller.request(
-        lambda req: m.Eager(req, raw, func, tuple(cargs), ckwargs, ranks, ranks[0]),
-        [ranks[0]]))
+        lambda req: m.Eager(req, raw, func, tuple(cargs), ckwargs, ranks, ranks[0], node,
+                            tuple(grad_tids)), [ranks[0]]))
     status, value = answers[ranks[0]]
     if status != "ok":
         controller.issue(m.Free((raw,)))
@@ -162,6 +176,9 @@ def run_eager(controller, func, cargs, ckwargs, mesh, wrap):
     if layouts:
         controller.issue(m.Free((raw,)))
         refuse_layout(func, layouts.pop())
+    if requires_grad is not None:
+        requires_grad.extend(bool(leaf[4]) if len(leaf) > 4 else False
+                             for leaf in leaves if leaf[0] == "tensor")
     tids = tuple(controller.new_tid() for kind, *_ in leaves if kind == "tensor")
     controller.issue(m.Unflatten(raw, tids, ranks))
     tid_iter = iter(tids)

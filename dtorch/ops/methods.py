@@ -3,17 +3,17 @@
 ``DTensor.__getattr__`` ends here for any name it does not define itself: a method of
 ``torch.Tensor`` becomes a bound dispatcher, and every public property of ``torch.Tensor`` is
 either computed by dispatching ops (``T mT H mH real imag``) or answered from the spec
-(``device``, ``is_cuda``, ``grad`` ...): a DTensor has no autograd, no sparse or quantized
-layout and lives on its mesh's device. A property with no answer raises
+(``device``, ``is_cuda`` ...): a DTensor has no sparse or quantized layout and lives on its
+mesh's device (its autograd attributes are its own: ``dtorch.autograd``). A property with no answer raises
 :class:`UnsupportedAttributeError` (an ``AttributeError``, so ``hasattr`` stays False), and a
-method DTensors cannot have (autograd, raw memory) raises ``UnsupportedOpError`` when called,
+method DTensors cannot have (raw memory) raises ``UnsupportedOpError`` when called,
 saying what to do instead. Example::
 
     >>> import torch
     >>> tensor_method("softmax") is tensor_method("softmax")
     True
     >>> sorted(PROPERTIES)[:4]
-    ['H', 'T', 'data', 'device']
+    ['H', 'T', 'device', 'grad_dtype']
 """
 
 from __future__ import annotations
@@ -105,15 +105,12 @@ def _none(x):
 
 PROPERTIES = {
     "T": _T, "mT": _mT, "H": _H, "mH": _mH, "real": _real, "imag": _imag,
-    "data": lambda x: x,
     "device": _device,
     "layout": lambda x: torch.strided,
     "itemsize": lambda x: x.dtype.itemsize,
     "nbytes": lambda x: x.numel() * x.dtype.itemsize,
-    # no autograd on DTensors
-    "requires_grad": _false, "grad": _none, "grad_fn": _none, "is_leaf": lambda x: True,
-    "retains_grad": _false, "output_nr": lambda x: 0, "grad_dtype": lambda x: x.dtype,
-    "volatile": _false, "name": _none,
+    # autograd: requires_grad, grad, grad_fn, is_leaf, ... are DTensor's own (dtorch.autograd)
+    "grad_dtype": lambda x: x.dtype, "volatile": _false, "name": _none,
     # layouts DTensors do not have
     "is_sparse": _false, "is_sparse_csr": _false, "is_quantized": _false, "is_mkldnn": _false,
     "is_nested": _false,
@@ -125,13 +122,12 @@ PROPERTIES = {
 UNSUPPORTED: dict[str, str] = {}
 
 # methods that cannot have a DTensor meaning: name -> what to do instead
-_NO_AUTOGRAD = ("dtorch has no autograd yet; gather with .to_torch() and use plain torch for "
-                "gradients")
+_NO_AUTOGRAD = ("dtorch's autograd has no post-accumulate hooks yet; use register_hook, or "
+                "read .grad after backward")
 _NO_MEMORY = ("a DTensor's memory is spread over the ranks' processes; use .to_torch() for a "
               "local tensor, or .to_local(rank) for one rank's shard")
 UNSUPPORTED_METHODS = {
-    "backward": _NO_AUTOGRAD, "register_hook": _NO_AUTOGRAD,
-    "register_post_accumulate_grad_hook": _NO_AUTOGRAD, "retain_grad": _NO_AUTOGRAD,
+    "register_post_accumulate_grad_hook": _NO_AUTOGRAD,
     "data_ptr": _NO_MEMORY, "storage": _NO_MEMORY, "untyped_storage": _NO_MEMORY,
     "share_memory_": _NO_MEMORY, "pin_memory": _NO_MEMORY, "record_stream": _NO_MEMORY,
 }
@@ -142,14 +138,6 @@ def _refuse(name: str, advice: str):
         raise UnsupportedOpError(f"Tensor.{name} is not supported on DTensors: {advice}")
     refused.__name__ = name
     return refused
-
-
-def _requires_grad_(self, requires_grad: bool = True):
-    """``x.requires_grad_(False)`` is a no-op; ``True`` raises (no autograd)."""
-    if requires_grad:
-        raise UnsupportedOpError(f"Tensor.requires_grad_ is not supported on DTensors: "
-                                 f"{_NO_AUTOGRAD}")
-    return self
 
 
 def attribute(x, name: str):
@@ -172,9 +160,7 @@ def _new_method(name: str):
         advice = UNSUPPORTED.get(name, "dtorch does not provide it yet")
         raise UnsupportedAttributeError(
             f"torch.Tensor.{name} is not supported on DTensors: {advice}")
-    if name == "requires_grad_":
-        fn = _requires_grad_
-    elif name in UNSUPPORTED_METHODS:
+    if name in UNSUPPORTED_METHODS:
         fn = _refuse(name, UNSUPPORTED_METHODS[name])
     else:
         return tensor_method(name)

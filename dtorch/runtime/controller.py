@@ -130,6 +130,11 @@ class Controller:
         self._freed.append((tid, ranks))
         self.live_tensors -= 1
 
+    def release_graph(self, node_id: int, ranks=None) -> None:
+        """Drop the local autograd graph of ``node_id`` on its ranks with the next batch (a
+        controller node was garbage-collected; safe from ``__del__``)."""
+        self._freed.append((node_id, ranks))
+
     def ensure_mesh(self, mesh) -> None:
         """Check a mesh against the cluster; create its process groups on first use."""
         self._check_open()

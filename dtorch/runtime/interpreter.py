@@ -77,7 +77,8 @@ def _label(instr) -> str:
 
 _OUTPUTS = {m.Create: lambda i: (i.tid,), m.Load: lambda i: (i.tid,),
             m.Redistribute: lambda i: (i.out,), m.Call: lambda i: i.outs,
-            m.Eager: lambda i: (i.out,), m.Unflatten: lambda i: i.outs}
+            m.Eager: lambda i: (i.out,), m.Unflatten: lambda i: i.outs,
+            m.RecordedCall: lambda i: i.outs, m.Backward: lambda i: i.outs}
 
 
 def _outputs_of(instr) -> tuple[int, ...]:
@@ -106,6 +107,17 @@ def describe_result(value):
                   if isinstance(v, torch.Tensor) else ("value", v) for v in leaves]
 
 
+class LocalGraph(NamedTuple):
+    """A recorded op's local autograd graph: the leaves (one per input that requires grad,
+    in ``grad_tids`` order) and the op's outputs, still attached to the graph."""
+
+    leaves: tuple
+    outputs: tuple
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.leaves + self.outputs)
+
+
 class Interpreter:
     """One rank's store and instruction loop body."""
 
@@ -117,6 +129,7 @@ class Interpreter:
         self.pool = BufferPool()
         self.broken: RemoteFailure | None = None  # a collective timed out: restart() needed
         self.store: dict[int, torch.Tensor | Poison] = {}
+        self.graphs: dict[int, LocalGraph | Poison] = {}  # node id -> kept local graph
         self.errors: list[RemoteFailure] = []
         self.dropped_errors = 0
         self.counts: Counter = Counter()
@@ -131,7 +144,8 @@ class Interpreter:
                           m.Create: self._create, m.Load: self._load,
                           m.Redistribute: self._redistribute, m.Call: self._call,
                           m.Fetch: self._fetch, m.Sync: self._sync, m.Free: self._free,
-                          m.Eager: self._eager, m.Unflatten: self._unflatten}
+                          m.Eager: self._eager, m.Unflatten: self._unflatten,
+                          m.RecordedCall: self._recorded_call, m.Backward: self._backward}
         self.current: tuple[str, float] | None = None  # (instruction, started) while running
 
     # entry point -----------------------------------------------------------------------------
@@ -264,18 +278,19 @@ class Interpreter:
         if value is not None or poison is not None:
             self.store[instr.out] = poison if poison is not None else value
 
-    def _resolve(self, obj):
+    def _resolve(self, obj, subst=None):
         if isinstance(obj, m.Ref):
-            value = self.store[obj.tid]
+            value = self.store[obj.tid] if subst is None or obj.tid not in subst else \
+                subst[obj.tid]
             if isinstance(value, Poison) and self._poisoned_arg is None:
                 self._poisoned_arg = value  # wherever it sits: top level, list, dict
             return value
         if isinstance(obj, m.Coord):
             return obj.mesh.get_coordinate(self.rank)
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            return type(obj)(self._resolve(x) for x in obj)
+            return type(obj)(self._resolve(x, subst) for x in obj)
         if isinstance(obj, dict):
-            return {k: self._resolve(v) for k, v in obj.items()}
+            return {k: self._resolve(v, subst) for k, v in obj.items()}
         return obj
 
     def _call(self, instr: m.Call):
@@ -295,6 +310,95 @@ class Interpreter:
             outs = [self._fail(getattr(instr.fn, "__name__", str(instr.fn)), exc)] * len(instr.outs)
         for tid, value in zip(instr.outs, outs):
             self.store[tid] = value
+
+    # autograd -------------------------------------------------------------------------------
+    def _recorded_call(self, instr: m.RecordedCall):
+        """Run the op with autograd on and keep its local graph (see RecordedCall)."""
+        if self.rank not in instr.ranks:
+            return
+        try:
+            outs, graph = self._run_recorded(instr)
+        except Exception as exc:  # noqa: BLE001
+            outs = [self._fail(getattr(instr.fn, "__name__", str(instr.fn)), exc)] * len(
+                instr.outs)
+            graph = outs[0] if outs else None
+        if graph is not None:
+            self.graphs[instr.node] = graph
+        for tid, value in zip(instr.outs, outs):
+            self.store[tid] = value
+
+    def _run_recorded(self, instr: m.RecordedCall):
+        leaves = {}
+        for tid in instr.grad_tids:
+            value = self.store[tid]
+            if isinstance(value, Poison):
+                return [value] * len(instr.outs), value
+            leaves[tid] = value.detach().requires_grad_()
+        subst = dict(leaves)
+        target = None
+        if instr.inplace is not None:  # mutate a clone: a leaf cannot be mutated in place
+            target = self.store[instr.inplace]
+            if not isinstance(target, Poison):
+                base = leaves.get(instr.inplace, target)
+                with torch.enable_grad():
+                    subst[instr.inplace] = base.clone() if base.requires_grad else \
+                        base.detach().clone()
+        self._poisoned_arg = None
+        args, kwargs = self._resolve(instr.args, subst), self._resolve(instr.kwargs, subst)
+        if self._poisoned_arg is not None:
+            return [self._poisoned_arg] * len(instr.outs), self._poisoned_arg
+        with torch.enable_grad():
+            outs = _tensors_of(instr.fn(*args, **kwargs), len(instr.outs))
+        stored = [o.detach() for o in outs]
+        if target is not None:
+            with torch.no_grad():  # bumps the version counter graphs that saved it check
+                target.copy_(stored[0])
+            stored[0] = target
+        return stored, LocalGraph(tuple(leaves.values()), tuple(outs))
+
+    def _backward(self, instr: m.Backward):
+        """``torch.autograd.grad`` on a kept local graph (see Backward); no collectives."""
+        if self.rank not in instr.ranks:
+            return
+        graph = self.graphs.get(instr.node) if instr.retain else self.graphs.pop(instr.node,
+                                                                                   None)
+        try:
+            grads = self._run_backward(instr, graph)
+        except Exception as exc:  # noqa: BLE001 - torch's own error, as a value
+            grads = [self._fail("backward", exc)] * len(instr.outs)
+        for tid, value in zip(instr.outs, grads):
+            self.store[tid] = value
+
+    def _run_backward(self, instr: m.Backward, graph):
+        if graph is None:
+            raise RuntimeError(f"the local graph of node {instr.node} is gone (freed, or "
+                               f"backward already ran without retain_graph)")
+        if isinstance(graph, Poison):
+            return [graph] * len(instr.outs)
+        outputs, cotangents = [], []
+        for index, tid in instr.grads:
+            g = self.store.get(tid)
+            if g is None:
+                raise KeyError(f"gradient tensor {tid} not found")
+            if isinstance(g, Poison):
+                return [g] * len(instr.outs)
+            out = graph.outputs[index]
+            if not out.requires_grad:  # e.g. an empty shard's identity: no contribution
+                continue
+            scale = instr.out_scales[index]
+            outputs.append(out)
+            cotangents.append(g if scale is None else g * scale)
+        if outputs:
+            found = torch.autograd.grad(outputs, graph.leaves, cotangents,
+                                        retain_graph=instr.retain, allow_unused=True)
+        else:
+            found = [None] * len(graph.leaves)
+        result = []
+        for leaf, g, scale in zip(graph.leaves, found, instr.in_scales):
+            if g is None or g._is_zerotensor():  # unused, or torch's lazy zeros (sgn')
+                g = torch.zeros_like(leaf, requires_grad=False)
+            result.append(g if scale is None else g * scale)
+        return result
 
     def _composite(self, instr: m.Call):
         """A composite op (``instr.fn`` is its plan): run it even on poisoned inputs, so
@@ -342,21 +446,56 @@ class Interpreter:
         on data, so the controller learns the outputs from a rank)."""
         if self.rank not in instr.ranks:
             return None
-        self._poisoned_arg = None
-        args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
-        if self._poisoned_arg is not None:
-            self.store[instr.out] = self._poisoned_arg
+        if instr.node is not None:
+            self._eager_recorded(instr)
         else:
-            try:
-                self.store[instr.out] = instr.fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001
-                self.store[instr.out] = self._fail(getattr(instr.fn, "__name__", "op"), exc)
+            self._poisoned_arg = None
+            args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
+            if self._poisoned_arg is not None:
+                self.store[instr.out] = self._poisoned_arg
+            else:
+                try:
+                    self.store[instr.out] = instr.fn(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001
+                    self.store[instr.out] = self._fail(getattr(instr.fn, "__name__", "op"),
+                                                       exc)
         if self.rank != instr.answer_rank:
             return None
         value = self.store[instr.out]
         if isinstance(value, Poison):
             return instr.req, ("err", value.failure)
-        return instr.req, ("ok", pickle.dumps(describe_result(value)))
+        spec, leaves = describe_result(value)
+        graph = self.graphs.get(instr.node) if instr.node is not None else None
+        if isinstance(graph, LocalGraph):  # which tensor outputs require grad
+            flags = iter([o.requires_grad for o in graph.outputs])
+            leaves = [leaf + (next(flags),) if leaf[0] == "tensor" else leaf for leaf in leaves]
+        return instr.req, ("ok", pickle.dumps((spec, leaves)))
+
+    def _eager_recorded(self, instr: m.Eager):
+        """An eager op with autograd on: its graph kept under ``instr.node``, its result
+        stored detached (the Unflatten that follows splits it)."""
+        try:
+            leaves = {}
+            for tid in instr.grad_tids:
+                value = self.store[tid]
+                if isinstance(value, Poison):
+                    raise RuntimeError(f"an input failed: {value.failure.message}")
+                leaves[tid] = value.detach().requires_grad_()
+            self._poisoned_arg = None
+            args = self._resolve(instr.args, leaves)
+            kwargs = self._resolve(instr.kwargs, leaves)
+            if self._poisoned_arg is not None:
+                raise RuntimeError(f"an input failed: {self._poisoned_arg.failure.message}")
+            with torch.enable_grad():
+                result = instr.fn(*args, **kwargs)
+            outputs = tuple(v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor))
+            self.graphs[instr.node] = LocalGraph(tuple(leaves.values()), outputs)
+            self.store[instr.out] = pytree.tree_map(
+                lambda v: v.detach() if isinstance(v, torch.Tensor) else v, result)
+        except Exception as exc:  # noqa: BLE001
+            poison = self._fail(getattr(instr.fn, "__name__", "op"), exc)
+            self.store[instr.out] = poison
+            self.graphs[instr.node] = poison
 
     def _unflatten(self, instr: m.Unflatten):
         """Replace a kept result by its tensor leaves, stored under ``outs``."""
@@ -385,6 +524,7 @@ class Interpreter:
 
     def _free(self, instr: m.Free):
         for tid in instr.tids:
+            self.graphs.pop(tid, None)  # a node id: the controller dropped its graph
             value = self.store.pop(tid, None)
             if isinstance(value, torch.Tensor) and value.layout == torch.strided:
                 self.pool.give_back(value)  # reused only if nothing else can reach it
@@ -398,4 +538,7 @@ class Interpreter:
                 "counts": dict(self.counts), "instructions": self.instructions,
                 "pool_bytes": self.pool.held, "pool_reused": self.pool.reused,
                 "composite_peak_bytes": self.composite_peak_bytes,
+                "graphs": len(self.graphs),
+                "graph_bytes": sum(g.nbytes() for g in self.graphs.values()
+                                   if isinstance(g, LocalGraph)),
                 "dist_calls": collective_calls()}

@@ -107,7 +107,9 @@ class Free(NamedTuple):
 
 class Eager(NamedTuple):
     """Run ``fn`` on local shards and keep its whole result as ``out``; ``answer_rank``
-    answers ``req`` with its structure (ops whose outputs depend on the values)."""
+    answers ``req`` with its structure (ops whose outputs depend on the values). With
+    ``node``, recorded as a ``RecordedCall`` is: the inputs ``grad_tids`` as leaves, the
+    result's tensor leaves (in pytree order) the graph's outputs, kept under ``node``."""
 
     req: int
     out: int
@@ -116,6 +118,8 @@ class Eager(NamedTuple):
     kwargs: dict
     ranks: tuple[int, ...]
     answer_rank: int
+    node: int | None = None
+    grad_tids: tuple[int, ...] = ()
 
 
 class Unflatten(NamedTuple):
@@ -215,3 +219,37 @@ class CompositePlan(NamedTuple):
     def collectives(self) -> tuple:
         """The collective steps, in order (what both ledgers count)."""
         return tuple(s for s in self.steps if type(s) in (Exchange, Shift))
+
+
+# autograd: a recorded op keeps its local graph; backward runs it (see dtorch.autograd) -------
+class RecordedCall(NamedTuple):
+    """A ``Call`` whose inputs ``grad_tids`` require grad: run ``fn`` with autograd on
+    (those inputs as detached leaves that require grad), store the outputs detached and keep
+    the local graph under ``node`` until a ``Backward`` without retain or a ``Free`` of
+    ``node``. ``inplace`` is the mutated input's tid (the op runs on a clone of it, which is
+    then copied back, so the version counter sees the mutation), or None."""
+
+    node: int
+    outs: tuple[int, ...]
+    fn: Any
+    args: tuple
+    kwargs: dict
+    ranks: tuple[int, ...]
+    grad_tids: tuple[int, ...]
+    inplace: int | None = None
+
+
+class Backward(NamedTuple):
+    """Run ``torch.autograd.grad`` on the local graph of ``node``: ``grads`` pairs an output
+    index with the tid of its incoming gradient (scaled by ``out_scales[i]`` when not None:
+    the 1/n of a Partial('avg') output); the gradient of leaf j (``grad_tids`` order) is
+    stored as ``outs[j]``, scaled by ``in_scales[j]`` when not None. Without ``retain`` the
+    graph is dropped after."""
+
+    node: int
+    grads: tuple[tuple[int, int], ...]
+    outs: tuple[int, ...]
+    out_scales: tuple
+    in_scales: tuple
+    retain: bool
+    ranks: tuple[int, ...]

@@ -50,7 +50,8 @@ class Embedding(Module):
         self.weight = init.normal((num_embeddings, embedding_dim), dtype=dtype,
                                   device_mesh=self.device_mesh, placements=placements)
         if padding_idx is not None:  # torch.nn.Embedding zeroes the padding row
-            self.weight = self.weight * _row_mask(num_embeddings, padding_idx, self.weight)
+            with torch.no_grad():  # an initial value, not a step of the graph
+                self.weight = self.weight * _row_mask(num_embeddings, padding_idx, self.weight)
 
     def redistribute_input(self, input):
         input = as_dtensor(input, self.device_mesh, None, None)

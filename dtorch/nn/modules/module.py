@@ -20,6 +20,8 @@ and hooks are exactly torch.nn's. ``__call__`` runs ``redistribute_input`` -> ``
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ...errors import DTorchError
@@ -56,11 +58,16 @@ class Module(torch.nn.Module):
         super().__setattr__(name, value)
 
     def register_parameter(self, name: str, param) -> None:
-        """Like torch.nn's; a DTensor is a parameter as it is."""
+        """Like torch.nn's; a DTensor is a parameter as it is, and a floating-point leaf
+        requires grad from then on (as ``torch.nn.Parameter`` does; ``requires_grad_(False)``
+        freezes it)."""
         if not isinstance(param, DTensor):
             return super().register_parameter(name, param)
         _check_name(self, name, "parameter")
         self.__dict__.pop(name, None)
+        if param.is_leaf and not param.requires_grad and (param.dtype.is_floating_point or
+                                                          param.dtype.is_complex):
+            param.requires_grad_(True)
         self._parameters[name] = param
 
     def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
@@ -84,12 +91,37 @@ class Module(torch.nn.Module):
         for table in (self._parameters, self._buffers):
             for key, value in table.items():
                 if isinstance(value, DTensor):
-                    table[key] = fn(value)
+                    with torch.no_grad():  # a new leaf, as torch.nn does for Parameters
+                        new = fn(value)
+                    if table is self._parameters and new is not value:
+                        new.requires_grad_(value.requires_grad and (
+                            new.dtype.is_floating_point or new.dtype.is_complex))
+                    table[key] = new
                 elif value is not None:
                     new = fn(value)
                     table[key] = (torch.nn.Parameter(new, value.requires_grad)
                                   if isinstance(value, torch.nn.Parameter) else new)
         return self
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's name: inside, backward leaves the parameters' gradients unreduced
+        (``p.grad.placements`` shows the Partial) while accumulating over micro-batches; the
+        first backward outside reduces them once (with its own gradients)."""
+        from ...autograd.engine import deferring
+        with deferring([p._ag for p in self.parameters() if p._ag is not None]):
+            yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the parameters' gradients: to None (default), or to zeros in place."""
+        for p in self.parameters():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                with torch.no_grad():
+                    p.grad.zero_()
 
     # state_dict ------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -126,7 +158,10 @@ class Module(torch.nn.Module):
                                   f"model is {tuple(current.shape)}.")
                 continue
             table = self._parameters if name in self._parameters else self._buffers
-            table[name] = load_value(value, current)
+            loaded = load_value(value, current)
+            if table is self._parameters:
+                loaded.requires_grad_(current.requires_grad)
+            table[name] = loaded
         if strict:
             for key in state_dict:
                 if not key.startswith(prefix):
