@@ -168,7 +168,8 @@ def measure(seq: int, repeats: int) -> dict:
     ids = token_ids(1, seq)
     with torch.no_grad():
         want = hf(ids).logits
-    with dtorch_cluster(WORLD), OneProcess(dtorch_rank_settings(), seq) as one:
+    # inference everywhere (dtorch's parameters require grad: no graph is recorded here)
+    with dtorch_cluster(WORLD), OneProcess(dtorch_rank_settings(), seq) as one, torch.no_grad():
         models = {k: dtorch_model((WORLD,), names, hf) for k, names in MESHES.items()}
         errs = check_logits({**{k: m(ids).to_torch() for k, m in models.items()},
                              ONE: one.logits}, want)

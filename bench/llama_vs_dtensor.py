@@ -407,9 +407,13 @@ def _report(layout: str, b: int, t: dict) -> None:
 
 def measure(sizes: Sizes) -> dict:
     """``{(layout, batch): {name: Timing, "instr": ..., "counts": ...}}``."""
+    import torch
     hf = hf_model()
     out = {}
-    with dtorch_cluster(WORLD), LlamaRanks(dtorch_rank_settings(), sizes.batches) as ref:
+    # inference on both sides: the references run under no_grad, so does dtorch (its
+    # parameters require grad and would record the graph otherwise)
+    with dtorch_cluster(WORLD), LlamaRanks(dtorch_rank_settings(), sizes.batches) as ref, \
+            torch.no_grad():
         models = {name: dtorch_model(*LAYOUTS[name], hf) for name in LAYOUTS}
         check_logits(ref, models, hf, sizes.batches)
         for b in sizes.batches:

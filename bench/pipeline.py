@@ -89,6 +89,8 @@ def measure(quick: bool) -> dict:
     from dtorch.runtime import session
     width, layers, rows, repeats = sizes(quick)
     dtorch.init(n_workers=WORLD)
+    grad_was = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)  # inference: the stages' parameters record no graph
     try:
         c = session.get_controller()
         workers = [cluster_addr for _, cluster_addr in sorted(
@@ -133,6 +135,7 @@ def measure(quick: bool) -> dict:
             runs["one"].append(timed(one_batch))
             runs["pipe"].append(timed(pipelined))
     finally:
+        torch.set_grad_enabled(grad_was)
         dtorch.shutdown()
     out = {}
     for key, rs in runs.items():

@@ -157,7 +157,9 @@ def measure(repeats: int) -> dict:
     from dtorch import Partial, Replicate, init_device_mesh
     from dtorch.runtime import session
     out = {}
-    with dtorch_cluster(WORLD), MlpRanks(dtorch_rank_settings()) as ref:
+    # inference on both sides: the reference runs under no_grad, so does dtorch (its
+    # parameters require grad and would record the graph otherwise)
+    with dtorch_cluster(WORLD), MlpRanks(dtorch_rank_settings()) as ref, torch.no_grad():
         c = session.get_controller()
         mesh = init_device_mesh("cpu", WORLD, mesh_dim_names=("tp",))
         mlp = dtorch_mlp(mesh)
