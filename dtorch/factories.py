@@ -135,8 +135,30 @@ def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=
                    (start, end, step), requires_grad=requires_grad)
 
 
+# torch's *_like arguments a DTensor cannot honour otherwise than by its default
+_LIKE_DEFAULTS = {"layout": (torch.strided, None),
+                  "memory_format": (torch.preserve_format, torch.contiguous_format, None),
+                  "pin_memory": (False, None)}
+
+
+def _check_like_kwargs(t: DTensor, kw: dict) -> None:
+    """Refuse, rather than drop, torch arguments a DTensor factory cannot honour."""
+    for name, value in kw.items():
+        if name == "device":
+            if value is not None and torch.device(value).type != t.device_mesh.device_type:
+                raise ValueError(f"device={value!r}: a DTensor's device is set by its mesh "
+                                 f"({t.device_mesh.device_type!r}); pass device_mesh= instead")
+        elif name not in _LIKE_DEFAULTS:
+            raise TypeError(f"unexpected keyword argument {name!r}")
+        elif value not in _LIKE_DEFAULTS[name]:
+            raise ValueError(f"{name}={value!r} is not supported: DTensors are dense and "
+                             f"strided; leave {name} at its default")
+
+
 def _like(fn, t: DTensor, dtype, device_mesh, placements, requires_grad=False, **kw):
-    """``kw``: torch's ``layout=``, ``memory_format=``, ... (DTensors are dense, strided)."""
+    """``kw``: torch's ``device=``, ``layout=``, ``memory_format=``, ``pin_memory=``, accepted
+    at values a DTensor honours (its mesh's device, dense, strided), refused otherwise."""
+    _check_like_kwargs(t, kw)
     return fn(*t.shape, dtype=dtype or t.dtype,
               device_mesh=device_mesh if device_mesh is not None else t.device_mesh,
               placements=placements if placements is not None else t.placements,
@@ -145,31 +167,32 @@ def _like(fn, t: DTensor, dtype, device_mesh, placements, requires_grad=False, *
 
 def zeros_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
                **kw) -> DTensor:
-    return _like(zeros, t, dtype, device_mesh, placements, requires_grad)
+    return _like(zeros, t, dtype, device_mesh, placements, requires_grad, **kw)
 
 
 def ones_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
               **kw) -> DTensor:
-    return _like(ones, t, dtype, device_mesh, placements, requires_grad)
+    return _like(ones, t, dtype, device_mesh, placements, requires_grad, **kw)
 
 
 def empty_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
                **kw) -> DTensor:
-    return _like(empty, t, dtype, device_mesh, placements, requires_grad)
+    return _like(empty, t, dtype, device_mesh, placements, requires_grad, **kw)
 
 
 def rand_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
               **kw) -> DTensor:
-    return _like(rand, t, dtype, device_mesh, placements, requires_grad)
+    return _like(rand, t, dtype, device_mesh, placements, requires_grad, **kw)
 
 
 def randn_like(t, *, dtype=None, device_mesh=None, placements=None, requires_grad=False,
                **kw) -> DTensor:
-    return _like(randn, t, dtype, device_mesh, placements, requires_grad)
+    return _like(randn, t, dtype, device_mesh, placements, requires_grad, **kw)
 
 
 def full_like(t, fill_value, *, dtype=None, device_mesh=None, placements=None,
               requires_grad=False, **kw) -> DTensor:
+    _check_like_kwargs(t, kw)
     return full(tuple(t.shape), fill_value, dtype=dtype or t.dtype,
                 device_mesh=device_mesh if device_mesh is not None else t.device_mesh,
                 placements=placements if placements is not None else t.placements,

@@ -15,7 +15,7 @@ R = Replicate()
 
 def _sent():
     c = session.get_controller()
-    return len(c._pending), c.flushes, len(c._staged)
+    return c.issued, c.flushes
 
 
 def refused(fn, exc=RuntimeError, match=None):
@@ -291,3 +291,23 @@ def test_composites_say_no_backward_yet(live):
     loss = out.sum()
     refused(lambda: loss.backward(), dtorch.UnsupportedOpError, "no backward yet for")
     usable(init_device_mesh("cpu", 4))
+
+
+def test_leaf_and_retained_grads_accumulate_as_torchs_through_a_local_move(mesh1d):
+    """Two backwards through a redistribute that moves nothing in backward (Partial ->
+    Replicate hands its gradient on as it is): the leaf's and the retained gradient each
+    accumulate once, as torch's do."""
+    x = dtorch.tensor(torch.arange(4.), device_mesh=mesh1d, placements=[R], requires_grad=True)
+    y = x * 1.0
+    y.retain_grad()
+    z = y.redistribute(placements=[dtorch.Partial()])
+    z.sum().backward(retain_graph=True)
+    first = y.grad.to_torch()
+    z.sum().backward()
+    assert torch.equal(y.grad.to_torch(), first + first)  # torch accumulates retained grads too
+    xt = torch.arange(4., requires_grad=True)
+    yt = xt * 1.0
+    yt.retain_grad()
+    yt.sum().backward(retain_graph=True)
+    yt.sum().backward()
+    assert torch.equal(x.grad.to_torch(), xt.grad) and torch.equal(y.grad.to_torch(), yt.grad)

@@ -104,6 +104,7 @@ _listening = lambda: [(c.laddr.ip, c.laddr.port)  # noqa: E731 - a lambda travel
 
 
 def test_a_users_interface_variable_wins(monkeypatch):
+    monkeypatch.setattr(network, "_set_here", {})  # what dtorch set: restored after the test
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     assert network.bind_to_interface("127.0.0.1", "nccl") == "lo"
@@ -299,7 +300,7 @@ def test_a_users_loopback_interface_across_hosts_is_refused_and_restart_recovers
                                                       r"GLOO_SOCKET_IFNAME=lo in its environment "
                                                       r"names an interface with only loopback"):
             dtorch.restart()
-        assert time.monotonic() - start < 15
+        assert time.monotonic() - start < 60  # refused before any process group starts
     finally:
         _set_gloo_ifname(on_hosts.scheduler_address, None)
     dtorch.restart()
@@ -319,7 +320,7 @@ def test_a_worker_killed_on_one_host_is_reported_and_restart_recovers(on_hosts):
     start = time.monotonic()
     with pytest.raises(dtorch.WorkerLostError, match=re.escape(f"rank 3 (Dask worker {victim})")):
         x.redistribute(placements=[R]).to_torch()
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60  # reported, not waited on forever
     on_hosts.wait_for_workers(c.client, 4, gone=(victim,))
     dtorch.restart()
     assert host_of(3) == on_hosts.ips[1]
@@ -331,7 +332,7 @@ def test_a_worker_killed_on_one_host_is_reported_and_restart_recovers(on_hosts):
 def test_a_world_that_cannot_connect_fails_clearly_and_restart_recovers(on_hosts, monkeypatch):
     """Host 0 drops everything it would send to host 1 (a firewall dropping packets): ranks
     2 and 3 get no answer from rank 0's store; once mended, restart() brings the world up."""
-    timeout = 20
+    timeout = 45  # the error must come within the collective timeout (it takes about 5 s)
     monkeypatch.setenv("DTORCH_COLLECTIVE_TIMEOUT", str(timeout))
     on_hosts.cut(quiet_host=0, cut_off=1)
     try:

@@ -289,3 +289,18 @@ def test_rank_processes_run_without_dask_housekeeping_noise(mesh1d):
     assert not _user_set("distributed.admin.tick.interval")
     with dask.config.set({"distributed.admin.tick.interval": "50ms"}):
         assert _user_set("distributed.admin.tick.interval")
+
+
+def test_like_factories_refuse_what_they_cannot_honour(mesh1d):
+    x = dtorch.zeros(4, 3, device_mesh=mesh1d, placements=[Shard(0)])
+    ok = dtorch.ones_like(x, device="cpu", layout=torch.strided,
+                          memory_format=torch.preserve_format)
+    assert ok.placements == x.placements and torch.equal(ok.to_torch(), torch.ones(4, 3))
+    with pytest.raises(ValueError, match="layout=torch.sparse_coo is not supported"):
+        dtorch.zeros_like(x, layout=torch.sparse_coo)
+    with pytest.raises(ValueError, match="set by its mesh"):
+        dtorch.full_like(x, 2.0, device="cuda")
+    with pytest.raises(ValueError, match="memory_format=torch.channels_last"):
+        dtorch.empty_like(x, memory_format=torch.channels_last)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        dtorch.randn_like(x, colour="red")

@@ -286,7 +286,9 @@ def _accumulate(meta: AutogradMeta, g, is_users: bool, deferred: bool = False) -
             meta.grad = meta.grad._move(g.device_mesh, g.placements)
         else:
             g = g._move(meta.grad.device_mesh, meta.grad.placements)
-    meta.grad.add_(g)
+    # out of place: ``meta.grad`` may be the very handle a hook or retain_grad exposed (a
+    # redistribute that moves nothing hands its gradient on as it is)
+    meta.grad = meta.grad + g
 
 
 def _op_backward(node: Node, grads: dict, retain: bool) -> list:

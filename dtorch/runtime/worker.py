@@ -162,11 +162,13 @@ class RankActor:
             self._join_world(master_addr, master_port, backend, timeout_s, store_socket)
         except Exception as exc:  # noqa: BLE001 - reported to the controller
             failure = self.interp._fail("init_process_group", exc).failure
+            across_hosts = master_addr != self.ip
             self._init_error = failure._replace(message=(
                 f"{failure.message} (this rank at {self.ip}, gloo interface "
                 f"{os.environ.get('GLOO_SOCKET_IFNAME') or 'chosen by torch'}; rendezvous "
-                f"store at {master_addr}:{master_port}). Likely cause: a firewall between "
-                f"the hosts, or an interface that does not carry the Dask worker's address"))
+                f"store at {master_addr}:{master_port})" + (
+                    ". Likely cause: a firewall between the hosts, or an interface that does "
+                    "not carry the Dask worker's address" if across_hosts else "")))
         self._ready.set()
         try:
             while True:
