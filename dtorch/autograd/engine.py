@@ -177,8 +177,11 @@ class _Walk:
             grads = self._incoming(node)
             if not grads or (needed is not None and nid not in needed):
                 continue
-            in_grads = _op_backward(node, grads, self.retain) if node.keeps_graph else \
-                _redistribute_backward(node, grads)
+            if node.keeps_graph:
+                in_grads = _op_backward(node, grads, self.retain)
+            else:  # FSDP's reduce_scatter runs here when the input is a parameter
+                with comm_debug.gradient_of(_leaf_name(node)):
+                    in_grads = _redistribute_backward(node, grads)
             for edge, spec, g in zip(node.edges, node.in_specs, in_grads):
                 if edge.leaf is not None:
                     self.leaves.setdefault(id(edge.leaf), (edge.leaf, spec, []))[2].append(g)
@@ -223,15 +226,16 @@ class _Walk:
             if accumulate and not deferred and old is not None and \
                     old.placements != spec.placements:  # left Partial by no_sync: reduce now
                 grads, meta.grad = grads + [old], None
-            if deferred and len({g.placements for g in grads}) == 1:
-                g = combine(grads, None)
-            else:
-                g = combine(grads, spec.placements)
-            g = _run_hooks(meta, g)
-            if capture:
-                self.captured[meta] = g
-            if accumulate:
-                _accumulate(meta, g, id(g) in self.user_grads, deferred)
+            with comm_debug.gradient_of(meta.name):
+                if deferred and len({g.placements for g in grads}) == 1:
+                    g = combine(grads, None)
+                else:
+                    g = combine(grads, spec.placements)
+                g = _run_hooks(meta, g)
+                if capture:
+                    self.captured[meta] = g
+                if accumulate:
+                    _accumulate(meta, g, id(g) in self.user_grads, deferred)
 
 
 _deferred: list = []  # sets of AutogradMeta ids whose reduction Module.no_sync() defers
@@ -305,6 +309,12 @@ def _op_backward(node: Node, grads: dict, retain: bool) -> list:
     return [DTensor._wrap(make_spec(s.shape, s.dtype, mesh,
                                     cotangent.grad_placements(s.placements, carried)), tid, c)
             for s, tid in zip(node.in_specs, tids)]
+
+
+def _leaf_name(node: Node) -> str | None:
+    """The name of the parameter a redistribute node moved (None: not a named leaf)."""
+    edge = node.edges[0] if len(node.edges) == 1 else None
+    return edge.leaf.name if edge is not None and edge.leaf is not None else None
 
 
 def _redistribute_backward(node: Node, grads: dict) -> list:

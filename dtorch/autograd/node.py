@@ -26,7 +26,7 @@ class AutogradMeta:
     """The autograd state of one DTensor handle."""
 
     __slots__ = ("requires_grad", "grad", "grad_fn", "output_nr", "retains_grad", "hooks",
-                 "__weakref__")
+                 "name", "__weakref__")
 
     def __init__(self, requires_grad: bool = True, grad_fn=None, output_nr: int = 0):
         self.requires_grad = requires_grad
@@ -35,6 +35,7 @@ class AutogradMeta:
         self.output_nr = output_nr
         self.retains_grad = False
         self.hooks: OrderedDict | None = None  # handle id -> fn(grad) -> grad or None
+        self.name: str | None = None  # a parameter's name in the module that last ran it
 
 
 class Edge(NamedTuple):
