@@ -311,3 +311,22 @@ def test_leaf_and_retained_grads_accumulate_as_torchs_through_a_local_move(mesh1
     yt.sum().backward(retain_graph=True)
     yt.sum().backward()
     assert torch.equal(x.grad.to_torch(), xt.grad) and torch.equal(y.grad.to_torch(), yt.grad)
+
+
+def test_grad_to_an_intermediate_ignores_the_spent_graph_below_it(mesh1d):
+    """As torch: only the nodes a gradient goes through are checked, so ``grad(z, y)`` runs
+    after a backward freed the graph below ``y``."""
+    v = torch.randn(8)
+    x = dtorch.tensor(v, device_mesh=mesh1d, placements=[Shard(0)], requires_grad=True)
+    y = x.exp()
+    z = (y * y).sum()
+    y.sum().backward()  # frees exp's graph
+    refused(lambda: z.backward(), match="backward through the graph a second time")
+    gy, = dtorch.autograd.grad(z, y)
+    xt = v.clone().requires_grad_()
+    yt = xt.exp()
+    zt = (yt * yt).sum()
+    yt.sum().backward()
+    gyt, = torch.autograd.grad(zt, yt)
+    torch.testing.assert_close(gy.to_torch(), gyt)
+    assert gy.placements == (Shard(0),)

@@ -324,10 +324,15 @@ def _redistribute_backward(node: Node, grads: dict) -> list:
 
 
 # entry points -----------------------------------------------------------------------------------
-def _start(roots):
+def _start(roots, targets=None):
+    """``(nodes, needed)``: the nodes reachable from the roots and the ids of those the walk
+    runs (None: all), checked. Only the nodes a gradient goes through are checked, as in
+    torch: ``grad(z, y)`` runs even when the graph below ``y`` is spent or has a composite
+    without a backward."""
     nodes = _reachable([t._ag.grad_fn for t, _ in roots])
-    _check_not_released(nodes)
-    return nodes
+    needed = _needed(nodes, targets) if targets is not None else None
+    _check_not_released(nodes if needed is None else {i: nodes[i] for i in needed})
+    return nodes, needed
 
 
 def run_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
@@ -346,8 +351,7 @@ def run_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
             if not t.is_leaf:
                 raise RuntimeError("backward(inputs=...) takes leaves only in dtorch")
         targets = {t._ag for t in inputs}
-    nodes = _start(roots)
-    needed = _needed(nodes, targets) if targets is not None else None
+    nodes, needed = _start(roots, targets)
     walk = _Walk(roots, bool(retain_graph), None)
     with torch.no_grad(), comm_debug.phase("backward"):
         walk.seed()
@@ -369,8 +373,7 @@ def run_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph
             raise RuntimeError("One of the differentiated Tensors does not require grad")
     keys = [_key_of(t) for t in inputs]
     targets = set(keys)
-    nodes = _start(roots)
-    needed = _needed(nodes, targets)
+    nodes, needed = _start(roots, targets)
     for key in keys:
         if not allow_unused and not _is_root(key, roots) and not _feeds(key, nodes):
             raise RuntimeError("One of the differentiated Tensors appears to not have been used "

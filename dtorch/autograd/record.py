@@ -148,16 +148,16 @@ def _eager(c, func, plan, cargs, ckwargs, tensors, name):
     mesh = tensors[0]._spec.mesh
     grad_inputs = _unique([t for t in tensors if requires(t)])
     node_id, flags = c.new_tid(), []
-    try:
+    try:  # until a Node owns the ranks' graph (its __del__ releases it), release it here
         result = generic.run_eager(c, plan.fn, cargs, ckwargs, mesh, _eager_wrap(mesh, c),
                                    node_id, tuple(t._tid for t in grad_inputs), flags)
+        outs = [v for v in pytree.tree_leaves(result) if isinstance(v, DTensor)]
+        node = Node(node_id, name.split(".")[-1] + "Backward", c, mesh,
+                    [t._spec for t in grad_inputs], [o._spec for o in outs],
+                    [edge_of(t) for t in grad_inputs], keeps_graph=True)
     except BaseException:
-        c.release_graph(node_id, mesh.ranks)  # the ranks kept the failure under the node
+        c.release_graph(node_id, mesh.ranks)  # the ranks kept the graph (or the failure)
         raise
-    outs = [v for v in pytree.tree_leaves(result) if isinstance(v, DTensor)]
-    node = Node(node_id, name.split(".")[-1] + "Backward", c, mesh,
-                [t._spec for t in grad_inputs], [o._spec for o in outs],
-                [edge_of(t) for t in grad_inputs], keeps_graph=True)
     for i, (out, flag) in enumerate(zip(outs, flags)):
         if flag:
             mark_output(out, node, i)
