@@ -412,10 +412,8 @@ def test_timed_hands_pytest_timeouts_timer_back():
 
 def test_timed_ends_a_hung_call(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "OP_TIMEOUT_S", 0.2)
-    t0 = time.monotonic()
-    with pytest.raises(OpTimeout):
-        timed(time.sleep, 10)
-    assert time.monotonic() - t0 < 5
+    with pytest.raises(OpTimeout):  # a call that would not end for an hour
+        timed(time.sleep, 3600)
     assert signal.getitimer(signal.ITIMER_REAL)[0] > 0  # pytest-timeout's timer is armed again
 
 
