@@ -318,9 +318,24 @@ def _leaf_name(node: Node) -> str | None:
 
 
 def _redistribute_backward(node: Node, grads: dict) -> list:
-    """The gradient redistributed back to the input's mesh and placements."""
+    """The gradient redistributed back to the input's mesh and placements. When the input
+    is a parameter inside ``Module.no_sync()`` (or one that left it with an unreduced
+    gradient) and the move would only reduce a Partial, the gradient goes on unreduced: the
+    leaf reduces once, with what it accumulated (FSDP's no_sync: one reduce_scatter)."""
     mesh, placements = grad_target(node)
-    return [grads[0]._move(mesh, placements)]
+    g, leaf = grads[0], node.edges[0].leaf
+    if leaf is not None and g.device_mesh == mesh and _only_reduces(g.placements, placements) \
+            and (is_deferred(leaf) or (leaf.grad is not None and
+                                        leaf.grad.placements == g.placements)):
+        return [g]
+    return [g._move(mesh, placements)]
+
+
+def _only_reduces(src, dst) -> bool:
+    """Whether moving ``src`` to ``dst`` only reduces Partials (and moves nothing else)."""
+    from ..placement import Partial
+    return src != tuple(dst) and all(
+        a == b or isinstance(a, Partial) for a, b in zip(src, dst))
 
 
 # entry points -----------------------------------------------------------------------------------
