@@ -21,7 +21,7 @@ import torch
 
 from .. import comm_debug
 from ..runtime import messages as m
-from . import cotangent
+from . import cotangent, versions
 from .node import AutogradMeta, Node
 from .redistribute import grad_target
 
@@ -112,6 +112,7 @@ def _check_not_released(nodes) -> None:
         if n.refusal is not None:
             from ..errors import UnsupportedOpError
             raise UnsupportedOpError(n.refusal)
+        versions.check(n)
 
 
 def _key_of(t):

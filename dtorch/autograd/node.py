@@ -60,7 +60,7 @@ class Node:
     """A recorded op (or redistribute) on the controller; see the module doc."""
 
     __slots__ = ("id", "_name", "controller", "mesh", "in_specs", "out_specs", "edges",
-                 "out_metas", "released", "keeps_graph", "refusal", "__weakref__")
+                 "out_metas", "released", "keeps_graph", "refusal", "saved", "__weakref__")
 
     def __init__(self, node_id: int, name: str, controller, mesh, in_specs, out_specs, edges,
                  keeps_graph: bool, refusal: str | None = None):
@@ -71,6 +71,7 @@ class Node:
         self.released = False
         self.keeps_graph = keeps_graph
         self.refusal = refusal  # why backward cannot go through this node (None: it can)
+        self.saved: tuple = ()  # (version counter, version, description) per saved tensor
 
     def name(self) -> str:
         return self._name

@@ -206,6 +206,8 @@ def _dispatch(func, args, kwargs=None):
     if plan.inplace is not None:
         target = tensors[plan.inplace]
         c.issue(_new_tuple(_Call, ((target._tid,), plan.fn, tuple(cargs), ckwargs, plan.ranks)))
+        if target._version is not None:  # a node saved it: its backward checks the version
+            target._version[0] += 1
         return target
     specs = plan.out_specs
     if len(specs) == 1:
