@@ -167,8 +167,11 @@ def flush() -> None:
 
 
 def manual_seed(seed: int) -> None:
-    """Seed every rank: random factories then match ``torch.manual_seed(seed)`` on one device."""
+    """Seed every rank: random factories then match ``torch.manual_seed(seed)`` on one device;
+    dropout masks restart from ``(seed, counter 0)`` (see dtorch.random)."""
+    from .. import random as stream
     c = get_controller()
+    stream.reset(seed)
     c.issue(m.Seed(int(seed)))
 
 
