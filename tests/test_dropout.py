@@ -20,6 +20,47 @@ R = Replicate()
 SHAPE = (10, 7)  # uneven on 4 ranks both ways: rows 3, 3, 3, 1 and columns 2, 2, 2, 1
 
 
+# the stream itself: pure, no cluster --------------------------------------------------------
+def _python_bits(index: int, seed: int, counter: int) -> int:
+    """The hash in Python ints (exact): what the int64 torch ops must give."""
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) % 2 ** 32
+        x ^= x >> 15
+        x = (x * 0x846CA68B) % 2 ** 32
+        return x ^ (x >> 16)
+    k0, k1 = stream._keys(seed, counter)
+    return mix(mix((index % 2 ** 32) ^ k0) ^ (index >> 32) ^ k1)
+
+
+def test_hash_is_exact_for_large_indices_and_seeds():
+    index = torch.tensor([0, 1, 2 ** 31, 2 ** 32 - 1, 2 ** 32, 2 ** 40 + 7, 2 ** 62])
+    for seed, counter in ((0, 0), (2 ** 64 - 1, 5), (123456789, 2 ** 40)):
+        got = stream.hash_bits(index, seed, counter).tolist()
+        assert got == [_python_bits(i, seed, counter) for i in index.tolist()]
+
+
+def test_masks_drop_p_and_counters_are_independent():
+    for p in (0.1, 0.5, 0.9):
+        keep = stream.dropout_mask((400, 250), p, seed=0, counter=0)
+        assert abs((~keep).float().mean().item() - p) < 0.01
+    a, b = (stream.dropout_mask((400, 250), 0.5, seed=0, counter=c) for c in (0, 1))
+    assert abs((a == b).float().mean().item() - 0.5) < 0.01
+    c = stream.dropout_mask((400, 250), 0.5, seed=1, counter=0)
+    assert abs((a == c).float().mean().item() - 0.5) < 0.01
+
+
+def test_a_block_is_the_slice_of_the_whole():
+    whole = stream.dropout_mask((5, 6, 7), 0.3, seed=4, counter=2)
+    block = stream.dropout_mask((5, 6, 7), 0.3, seed=4, counter=2, offset=(1, 2, 3),
+                                block=(3, 0, 4))
+    assert torch.equal(block, whole[1:4, 2:2, 3:7])
+    block = stream.dropout_mask((5, 6, 7), 0.3, seed=4, counter=2, offset=(4, 1, 0),
+                                block=(1, 5, 7))
+    assert torch.equal(block, whole[4:, 1:, :])
+
+
+# on the cluster -------------------------------------------------------------------------------
 def _layouts():
     m4 = init_device_mesh("cpu", 4)
     m22 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -111,6 +152,12 @@ def test_partial_stays_partial(live):
         assert out.placements == (placement, Shard(1))
         torch.testing.assert_close(out.to_torch(),
                                    stream.dropout(d.to_torch(), 0.5, seed=9, counter=0))
+        d.requires_grad_()  # the gradient of a Partial input: noise * grad (Replicate)
+        dtorch.manual_seed(9)
+        g = torch.randn(6, 5)
+        F.dropout(d, 0.5).backward(dtorch.tensor(g, device_mesh=mesh, placements=[R, R]))
+        noise = stream.dropout(torch.ones(6, 5), 0.5, seed=9, counter=0)
+        torch.testing.assert_close(d.grad.to_torch(), g * noise)
 
 
 def test_gradients_match_torch(live):
