@@ -227,10 +227,11 @@ def test_in_place_spellings(live):
 
 
 def _attention_inputs(gqa=False):
+    """(N, H, L, E) query, (N, H, S, E) key and value; 3 heads (uneven on 2 and 4 ranks),
+    or 4 query heads over 2 kv heads."""
     torch.manual_seed(0)
-    q = torch.randn(2, 4, 6, 8)
-    k, v = torch.randn(2, 2 if gqa else 4, 5, 8), torch.randn(2, 2 if gqa else 4, 5, 8)
-    return q, k, v
+    h, hk = (4, 2) if gqa else (3, 3)
+    return torch.randn(2, h, 6, 8), torch.randn(2, hk, 5, 8), torch.randn(2, hk, 5, 8)
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa", "mask"])
@@ -259,6 +260,22 @@ def test_attention_dropout_matches_reference(live, case):
     assert not torch.allclose(ref, plain)  # the mask did something
 
 
+def test_attention_dropout_with_a_partial_value(live):
+    """Attention is linear in the value: a Partial value gives a Partial output, the mask
+    (over the weights, which are Replicate) the same on every rank."""
+    q, k, v = _attention_inputs()
+    mesh = init_device_mesh("cpu", 4)
+    shares = [torch.randn(v.shape) for _ in mesh.ranks]
+    dv = dtorch.from_local(shares, mesh, [Partial()])
+    dq, dk = (dtorch.tensor(t, device_mesh=mesh) for t in (q, k))
+    dtorch.manual_seed(2)
+    out, counts = counted(lambda: F.scaled_dot_product_attention(dq, dk, dv, dropout_p=0.5))
+    assert counts == {} and out.placements == (Partial(),)
+    ref = stream.scaled_dot_product_attention(q, k, sum(shares), dropout_p=0.5, seed=2,
+                                              counter=0)
+    torch.testing.assert_close(out.to_torch(), ref)
+
+
 def test_attention_dropout_gradients(live):
     q, k, v = _attention_inputs()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -267,8 +284,8 @@ def test_attention_dropout_gradients(live):
     dtorch.manual_seed(8)
     before = _drawn()
     out = F.scaled_dot_product_attention(dq, dk, dv, dropout_p=0.25, is_causal=True)
-    after = _drawn()  # each rank's block of the weights (2, 4, 6, 5): (1, 2, 6, 5)
-    assert {r: after[r] - before[r] for r in mesh.ranks} == {r: 60 for r in mesh.ranks}
+    after = _drawn()  # each rank's block of the weights (2, 3, 6, 5): (1, 2 or 1, 6, 5)
+    assert {r: after[r] - before[r] for r in mesh.ranks} == {0: 60, 1: 30, 2: 60, 3: 30}
     _, counts = counted(lambda: out.sum().backward() or dq.grad)
     assert counts == {}
     tq, tk, tv = (t.clone().requires_grad_() for t in (q, k, v))
