@@ -81,7 +81,7 @@ class Entry(NamedTuple):
 
 _RULES: dict[Any, Entry] = {}
 PREP: dict[Any, Callable] = {}  # callable -> prep(args, kwargs) -> (args, kwargs)
-DECOMPOSED: dict[Any, Callable] = {}  # callable -> fn(func, args, kwargs): result or NotImplemented
+DECOMPOSED: dict[Any, Callable] = {}  # callable -> fn(func, args, kwargs) (see decomposed)
 _NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("F", F), ("linalg", torch.linalg),
                ("special", torch.special))
 
