@@ -8,9 +8,9 @@ each rank hashing only its own block's global indices (:mod:`dtorch.random`), an
 is linear, so ``Partial`` stays ``Partial``: ``sum(noise * share) == noise * sum(share)``);
 nothing is communicated, and the gradient is the multiply's, ``noise * grad``, from the
 ranks' local graphs. Alpha dropout (``F.alpha_dropout``, ``F.feature_alpha_dropout``) is
-torch's ``x * noise + shift`` from a 0/1 mask, in DTensor ops. ``F.scaled_dot_product_attention(..., dropout_p=p)`` draws a bool mask
-over the attention weights ``(*batch, L, S)`` the same way and runs torch's math attention
-with it. Each mask takes the next counter of the stream: the same program after the same
+torch's ``x * noise + shift`` from a 0/1 mask, in DTensor ops.
+``F.scaled_dot_product_attention(..., dropout_p=p)`` draws a bool mask over the attention
+weights ``(*batch, L, S)`` the same way and runs torch's math attention with it. Each mask takes the next counter of the stream: the same program after the same
 ``dtorch.manual_seed`` gives the same masks, equal to :func:`dtorch.random.dropout` on one
 device. Example::
 
