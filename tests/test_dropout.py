@@ -224,6 +224,12 @@ def test_in_place_spellings(live):
         kind = "feature_alpha_dropout" if i == 2 else "dropout"
         torch.testing.assert_close(d.to_torch(), stream.dropout(x, 0.5, seed=0, counter=0,
                                                                 kind=kind))
+    d = dtorch.tensor(x, device_mesh=mesh, placements=[Shard(1)], requires_grad=True)
+    dtorch.manual_seed(1)
+    y = d * 2
+    F.dropout(y, 0.5, inplace=True).sum().backward()  # in place on a non-leaf: recorded
+    torch.testing.assert_close(d.grad.to_torch(),
+                               2 * stream.dropout(torch.ones(SHAPE), 0.5, seed=1, counter=0))
 
 
 def _attention_inputs(gqa=False):
