@@ -81,6 +81,7 @@ class Entry(NamedTuple):
 
 _RULES: dict[Any, Entry] = {}
 PREP: dict[Any, Callable] = {}  # callable -> prep(args, kwargs) -> (args, kwargs)
+DECOMPOSED: dict[Any, Callable] = {}  # callable -> fn(func, args, kwargs) (see decomposed)
 _NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("F", F), ("linalg", torch.linalg),
                ("special", torch.special))
 
@@ -129,6 +130,17 @@ def _register(funcs, family, inplace, meta, arg_names, fn, prep=None) -> None:
             _RULES[f] = Entry(name, family, fn, inplace, meta, tuple(arg_names), prep)
             if prep is not None:
                 PREP[f] = prep
+
+
+def decomposed(*funcs):
+    """Register the decorated ``fn(func, args, kwargs)`` to run calls of ``funcs`` (callables) as
+    other DTensor ops (dropout in training: a mask factory and a multiply); dispatch calls it
+    first, and its ``NotImplemented`` leaves the call to the rule."""
+    def deco(fn):
+        for f in funcs:
+            DECOMPOSED[f] = fn
+        return fn
+    return deco
 
 
 def prep_call(func, args: tuple, kwargs: dict | None):
