@@ -188,7 +188,8 @@ def cluster_info() -> dict:
 
 def rank_stats() -> list[dict]:
     """Per rank: tensors held and their bytes, collectives run, instructions, process RSS,
-    ``random_values`` (the values dropout masks drew there: only the rank's own blocks).
+    ``random_values`` (the values dropout masks drew there: only the rank's own blocks),
+    ``running`` (the instruction the rank is in right now, e.g. ``'Call(sleep)'``, or None).
 
     >>> [s["bytes"] for s in dtorch.rank_stats()]              # doctest: +SKIP
     [400, 400, 400, 400]

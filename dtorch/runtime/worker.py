@@ -128,6 +128,8 @@ class RankActor:
         out["pending_batches"] = len(self._inbox)
         out["next_seq"] = self._next_seq
         out["inline_batches"] = self.inline_batches
+        current = self.interp.current
+        out["running"] = current[0] if current else None  # the instruction it is in, if any
         try:
             import psutil
             out["rss"] = psutil.Process().memory_info().rss
