@@ -234,6 +234,24 @@ def test_inplace_on_a_saved_tensor_is_refused_at_backward_on_the_controller(mesh
     usable(mesh1d)
 
 
+def test_an_inplace_op_that_saves_its_own_target_is_refused(mesh1d):
+    """``x.mul_(x)`` saves x as it was read; the op itself leaves it at the next version, so
+    backward refuses, as torch does."""
+    v = torch.randn(8)
+    a = torch.randn(8, requires_grad=True)
+    t = a * 1
+    t.mul_(t)
+    with pytest.raises(RuntimeError, match="is at version 1; expected version 0"):
+        t.sum().backward()
+    x = dtorch.tensor(v, device_mesh=mesh1d, placements=[Shard(0)], requires_grad=True)
+    y = x * 1
+    y.mul_(y)
+    s = y.sum()
+    refused(lambda: s.backward(), match=r"input \d of MulBackward0, is at version 1; expected "
+                                        r"version 0")
+    usable(mesh1d)
+
+
 def test_no_refusal_when_what_was_modified_was_not_saved(mesh1d):
     """add saves neither input: modifying one afterwards is fine, as in torch."""
     v = torch.randn(8)

@@ -312,9 +312,14 @@ def test_bad_inputs_raise_before_anything_is_sent(live):
     four_d = dtorch.tensor(torch.randn(2, 3, 4, 5), device_mesh=mesh)
     ring = init_device_mesh("cpu", 4, mesh_dim_names=("ring_cp",))
     rq = dtorch.tensor(torch.randn(1, 2, 8, 4), device_mesh=ring, placements=[Shard(2)])
+    leaf = dtorch.tensor(torch.randn(SHAPE), device_mesh=mesh, placements=[Shard(0)],
+                         requires_grad=True)
     dtorch.synchronize()
     state = stream.state()
     cases = [
+        (lambda: F.dropout(leaf, 0.5, inplace=True), RuntimeError,
+         "leaf Variable that requires grad is being used in an in-place"),
+
         (lambda: F.dropout(d, 1.5), ValueError, "between 0 and 1"),
         (lambda: F.dropout(d, -0.1), ValueError, "between 0 and 1"),
         (lambda: F.dropout(ints, 0.5), RuntimeError, "can't be cast"),

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 from torch.utils.hooks import RemovableHandle
 
-from .node import AutogradMeta
+from .node import NAMES_CHANGED, AutogradMeta
 
 
 def _differentiable_dtype(dtype) -> bool:
@@ -35,6 +35,7 @@ def requires_grad_(x, flag: bool = True):
     if meta is None:
         if flag:
             x._ag = AutogradMeta(True)
+            NAMES_CHANGED[0] += 1  # a module that holds x names it at its next call
     else:
         meta.requires_grad = flag
     return x

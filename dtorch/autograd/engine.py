@@ -232,10 +232,11 @@ class _Walk:
                     g = combine(grads, None)
                 else:
                     g = combine(grads, spec.placements)
-                g = _run_hooks(meta, g)
-                if capture:
-                    self.captured[meta] = g
-                if accumulate:
+            g = _run_hooks(meta, g)  # what a user's hook runs is not the leaf's reduction
+            if capture:
+                self.captured[meta] = g
+            if accumulate:
+                with comm_debug.gradient_of(meta.name):
                     _accumulate(meta, g, id(g) in self.user_grads, deferred)
 
 

@@ -22,6 +22,9 @@ from typing import NamedTuple
 from . import cotangent
 
 
+NAMES_CHANGED = [0]  # bumped when a parameter may need naming again (a module tree changed)
+
+
 class AutogradMeta:
     """The autograd state of one DTensor handle."""
 

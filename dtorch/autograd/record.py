@@ -105,10 +105,10 @@ def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill,
         target = tensors[plan.inplace]
         c.issue(m.RecordedCall(node.id, (target._tid,), plan.fn, tuple(cargs), ckwargs or {},
                                plan.ranks, grad_tids, target._tid))
-        versions.bump(target)
+        saved = versions.expected(tensors, (), info.saved_inputs, (), info.name)  # as read
+        versions.bump(target)  # ``x.mul_(x)`` saved x at the version this op leaves behind
         mark_output(target, node, 0)
-        node.saved = versions.expected(tensors, [target], info.saved_inputs,
-                                       info.saved_outputs, info.name)
+        node.saved = saved + versions.expected((), [target], (), info.saved_outputs, info.name)
         return target
     tids = tuple(c.new_tid() for _ in plan.out_specs)
     c.issue(m.RecordedCall(node.id, tids, plan.fn, tuple(cargs), ckwargs or {}, plan.ranks,

@@ -52,27 +52,26 @@ def is_saved(t, packed) -> bool:
 
 
 def expected(tensors, outputs, saved_inputs, saved_outputs, name: str) -> tuple:
-    """What a node remembers: ``(counter, version, description)`` per saved DTensor."""
+    """What a node remembers: ``(counter, version, spec, which)`` per saved DTensor
+    (``which``: ``("input", i)`` or ``("output", i)``; the message is made only on failure)."""
     out = []
     for i in saved_inputs:
-        t = tensors[i]
-        out.append((counter(t), counter(t)[0], _describe(t, f"an input of {name}")))
+        cell = counter(tensors[i])
+        out.append((cell, cell[0], tensors[i]._spec, ("input", i)))
     for i in saved_outputs:
-        t = outputs[i]
-        out.append((counter(t), counter(t)[0], _describe(t, f"output {i} of {name}")))
+        cell = counter(outputs[i])
+        out.append((cell, cell[0], outputs[i]._spec, ("output", i)))
     return tuple(out)
-
-
-def _describe(t, what: str) -> str:
-    return f"[DTensor {t.dtype} {list(t.shape)}], which is {what}"
 
 
 def check(node) -> None:
     """Raise torch's error when a tensor ``node`` saved was modified in place since."""
-    for cell, version, what in node.saved:
+    for cell, version, spec, (kind, i) in node.saved:
         if cell[0] != version:
+            what = f"output {i} of {node.name()}" if kind == "output" else \
+                f"input {i} of {node.name()}"
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by "
-                f"an inplace operation: {what}, is at version {cell[0]}; expected version "
-                f"{version} instead. Use an out-of-place op (or .clone() the tensor before "
-                f"modifying it)")
+                f"an inplace operation: [DTensor {spec.dtype} {list(spec.shape)}], which is "
+                f"{what}, is at version {cell[0]}; expected version {version} instead. Use "
+                f"an out-of-place op (or .clone() the tensor before modifying it)")

@@ -112,6 +112,11 @@ def dropout_on_dtensors(func, args, kwargs):
     alpha = "alpha" in spec.kind and p != 1  # p == 1: zeros, as torch gives
     _refuse_partial(func, x, ("avg",) if alpha else ("sum", "avg"))
     inplace = spec.inplace if spec.inplace is not None else bound["inplace"]
+    if inplace and torch.is_grad_enabled() and x.requires_grad and x.is_leaf:
+        raise RuntimeError(  # torch's check, before a mask is drawn or anything is sent
+            f"{_name(func)}: a leaf Variable that requires grad is being used in an in-place "
+            f"operation. Use the out-of-place dropout (inplace=False), or run it under "
+            f"torch.no_grad()")
     shape = stream.feature_shape(spec.kind, x.shape)
     placements = mask_placements(shape, x)
     if not alpha:

@@ -202,11 +202,16 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
 def _close_store_socket(client, worker: str, key: str) -> None:
     """Close the store socket ``check_world_connects`` left in ``worker`` (a no-op once rank
     0's actor took it); a failure here must not hide the one being raised."""
-    from .network import close_listener
-    try:
-        client.run(close_listener, key, workers=[worker])
+    try:  # not waited on: an unresponsive worker must not hang the error path
+        client.run(_close_listener, key, workers=[worker], wait=False)
     except Exception:  # noqa: BLE001 - the worker may be gone: its socket went with it
         pass
+
+
+async def _close_listener(key: str) -> None:
+    """``network.close_listener`` as a coroutine (Dask runs only those without waiting)."""
+    from .network import close_listener
+    close_listener(key)
 
 
 def _raise_unless_ready(readies: list, wait_s: float) -> None:

@@ -297,11 +297,16 @@ class Controller:
         lost.__cause__ = err
         return lost
 
-    def _lost_rank(self, wait_s: float) -> WorkerLostError | None:
-        """The WorkerLostError of a rank whose worker is gone, or None when every rank
-        answers."""
+    def _lost_rank(self, wait_s: float) -> Exception | None:
+        """The WorkerLostError of a rank whose worker is gone (or whose interpreter thread
+        stopped: its RemoteError), or None when every rank answers as serving."""
         from distributed.utils import sync
-        futures = {r: self._call(r, "health") for r in range(self.world)}
+        futures = {}
+        for r in range(self.world):
+            try:
+                futures[r] = self._call(r, "health")
+            except WorkerLostError as lost:  # Dask already knows the actor's worker is gone
+                return lost
         try:
             reports = sync(self.client.loop, _answers_of, futures, callback_timeout=wait_s)
         except TimeoutError:
@@ -310,6 +315,10 @@ class Controller:
             for rank, (ok, report) in sorted(reports.items()):
                 if not ok:
                     return self._lost(rank, report)
+                if report["fatal"] is not None:  # its interpreter stopped: that is the cause
+                    self.closed = True
+                    return remote_error(report["fatal"], "this rank cannot go on; call "
+                                                         "dtorch.restart()")
             return None
         try:
             self.check_alive()

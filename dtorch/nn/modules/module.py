@@ -26,6 +26,7 @@ import torch
 
 from ...errors import DTorchError
 from ...tensor import DTensor
+from ...autograd.node import NAMES_CHANGED
 from ..state_dict import load_value
 
 
@@ -58,15 +59,18 @@ class Module(torch.nn.Module):
     def _name_parameters(self) -> None:
         """The outermost module a call runs names its parameters (``named_parameters()``), so
         the collectives a backward runs for their gradients say whose they are
-        (``CommDebugMode.get_gradient_comm_counts()``, the kernel's per-cell table)."""
-        if not torch.is_grad_enabled():
+        (``CommDebugMode.get_gradient_comm_counts()``, the kernel's per-cell table). The walk
+        runs again only after some module tree or parameter changed (``NAMES_CHANGED``)."""
+        if not torch.is_grad_enabled() or self.__dict__.get("_named_at") == NAMES_CHANGED[0]:
             return
         for name, p in self.named_parameters():
             if isinstance(p, DTensor) and p._ag is not None:
                 p._ag.name = name
+        self.__dict__["_named_at"] = NAMES_CHANGED[0]
 
     # DTensor parameters and buffers ----------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
+        NAMES_CHANGED[0] += 1
         if isinstance(value, DTensor):
             buffers = self.__dict__.get("_buffers")
             if buffers is not None and name in buffers:
@@ -102,7 +106,12 @@ class Module(torch.nn.Module):
         else:
             self._non_persistent_buffers_set.add(name)
 
+    def add_module(self, name: str, module) -> None:
+        NAMES_CHANGED[0] += 1
+        super().add_module(name, module)
+
     def _apply(self, fn, recurse=True):
+        NAMES_CHANGED[0] += 1
         """``model.float()``, ``model.to(dtype)``: applied to every DTensor as a DTensor op."""
         if recurse:
             for module in self.children():
@@ -158,6 +167,7 @@ class Module(torch.nn.Module):
                               unexpected_keys, error_msgs):
         """Each DTensor entry is sharded by its parameter's placements and sent rank by rank,
         one tensor at a time; torch.nn's messages for missing, unexpected and wrong-shape keys."""
+        NAMES_CHANGED[0] += 1
         local = {**{k: v for k, v in self._parameters.items() if v is not None},
                  **{k: v for k, v in self._buffers.items()
                     if v is not None and k not in self._non_persistent_buffers_set}}
