@@ -177,8 +177,12 @@ class _Walk:
             grads = self._incoming(node)
             if not grads or (needed is not None and nid not in needed):
                 continue
-            in_grads = _op_backward(node, grads, self.retain) if node.keeps_graph else \
-                _redistribute_backward(node, grads)
+            if node.backward is not None:  # a composite's backward plan (ring attention)
+                in_grads = node.backward(node, grads, self.retain)
+            elif node.keeps_graph:
+                in_grads = _op_backward(node, grads, self.retain)
+            else:
+                in_grads = _redistribute_backward(node, grads)
             for edge, spec, g in zip(node.edges, node.in_specs, in_grads):
                 if edge.leaf is not None:
                     self.leaves.setdefault(id(edge.leaf), (edge.leaf, spec, []))[2].append(g)
@@ -194,7 +198,8 @@ class _Walk:
             grads = self.pending.pop((node.id, i), None)
             if not grads:
                 continue
-            if node.keeps_graph or len({g.placements for g in grads}) > 1:
+            if node.keeps_graph or node.backward is not None or \
+                    len({g.placements for g in grads}) > 1:
                 g = combine(grads, node.incoming(i))
             else:
                 g = combine(grads, None)
