@@ -26,8 +26,8 @@ def refusal(bound) -> str | None:
     q = bound["query"]
     dims = cp_dims(q.device_mesh)
     if "ring_cp" not in dims:
-        return ("no backward yet for scaled_dot_product_attention (context parallel) on "
-                "these placements")
+        from .ulysses import refusal as ulysses_refusal
+        return ulysses_refusal(q, bound["key"], bound["value"])
     if "ulysses_cp" in dims:
         return ("no backward yet for Ulysses and the ring on one mesh (scaled_dot_product_"
                 "attention, context parallel)")
