@@ -177,8 +177,9 @@ def test_cp_backward_refusals_say_why_and_the_cluster_goes_on(live):
     both = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses_cp", "ring_cp"))
     ds = [dtorch.tensor(t, device_mesh=both, placements=[S2, S2], requires_grad=True)
           for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*ds)
-    with pytest.raises(dtorch.UnsupportedOpError, match="Ulysses and the ring on one mesh"):
+    out = F.scaled_dot_product_attention(*ds)  # the composite runs
+    torch.testing.assert_close(out.to_torch(), F.scaled_dot_product_attention(q, k, v))
+    with pytest.raises(dtorch.UnsupportedOpError, match="list 'ring_cp' before ulysses_cp"):
         out.sum().backward()
     check(ring, [S2], (q, k, v), is_causal=True)  # the cluster goes on
 
@@ -234,3 +235,37 @@ def test_ulysses_before_a_heads_dim_says_which_order_to_use(live):
     with pytest.raises(dtorch.UnsupportedOpError, match="list 'tp' before ulysses_cp"):
         out.sum().backward()
     check(init_device_mesh("cpu", 2, mesh_dim_names=("ring_cp",)), [S2], (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ulysses_then_ring_backward(live, causal):
+    """ring_cp x ulysses_cp: Ulysses' all_to_alls on ulysses_cp (recorded), the ring on the
+    head-sharded blocks with its own backward (zig-zag balanced when causal)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring_cp", "ulysses_cp"))
+    q, k, v = qkv(hq=4, hk=2, lq=10, lk=10)
+    ts = [t.clone().requires_grad_() for t in (q, k, v)]
+    ds = [dtorch.tensor(t, device_mesh=mesh, placements=[S2, S2], requires_grad=True)
+          for t in (q, k, v)]
+    kw = dict(is_causal=causal, enable_gqa=True)
+    out, _, records = run(lambda: F.scaled_dot_product_attention(*ds, **kw))
+    ring = ring_forward_counts(2, causal, 10, 10)
+    assert _by_dim(records) == {("all_to_all", "ulysses_cp"): 4, **_on_ring(ring)}
+    loss = (out ** 2).sum()
+    _, _, records = run(lambda: loss.backward())
+    ring = ring_backward_counts(2, causal, 10, 10, (True, True, True))
+    assert _by_dim(records) == {("all_to_all", "ulysses_cp"): 4, **_on_ring(ring)}
+    (F.scaled_dot_product_attention(*ts, **kw) ** 2).sum().backward()
+    for d, t in zip(ds, ts):
+        assert d.grad.placements == (S2, S2)
+        torch.testing.assert_close(d.grad.to_torch(), t.grad)
+
+
+def _by_dim(records) -> dict:
+    out: dict = {}
+    for r in records:
+        out[(r.kind, r.mesh_dim_name)] = out.get((r.kind, r.mesh_dim_name), 0) + 1
+    return out
+
+
+def _on_ring(counts) -> dict:
+    return {(kind, "ring_cp"): n for kind, n in counts.items()}

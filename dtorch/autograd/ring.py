@@ -15,22 +15,23 @@ from __future__ import annotations
 from functools import lru_cache
 
 from .. import comm_debug
+from ..placement import Shard
 from ..runtime import messages as m
 from . import cotangent
 from .node import Node, edge_of, mark_output
 
 
 def refusal(bound) -> str | None:
-    """Why the ring's backward does not apply to this call (None: it does)."""
+    """Why the ring's backward does not apply to this call (None: it does). Ulysses beside
+    the ring is issued by ``autograd/ulysses.py`` first, so here only the ring is on."""
     from ..ops.cp_attention import cp_dims
-    q = bound["query"]
+    q, k, v = bound["query"], bound["key"], bound["value"]
     dims = cp_dims(q.device_mesh)
-    if "ring_cp" not in dims:
+    on = {kind for kind, m in dims.items() if any(t.placements[m] == Shard(2)
+                                                 for t in (q, k, v))}
+    if on != {"ring_cp"}:
         from .ulysses import refusal as ulysses_refusal
-        return ulysses_refusal(q, bound["key"], bound["value"])
-    if "ulysses_cp" in dims:
-        return ("no backward yet for Ulysses and the ring on one mesh (scaled_dot_product_"
-                "attention, context parallel)")
+        return ulysses_refusal(q, k, v)
     mask = bound.get("attn_mask")
     if mask is not None and getattr(mask, "requires_grad", False):
         return ("no backward yet for ring attention with an attn_mask that requires grad "

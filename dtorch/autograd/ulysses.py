@@ -27,25 +27,37 @@ def bind(args, kwargs) -> dict:
 
 
 def ulysses_dim(q, k, v) -> int | None:
-    """The ``ulysses_cp`` mesh dim when Ulysses alone is on: query, key and value
-    ``Shard(2)`` there, and on every other mesh dim Replicate, batch-sharded (``Shard(0)``)
-    or head-sharded (``Shard(1)``, tp); else None (a ring dim: see ``autograd/ring.py``)."""
+    """The ``ulysses_cp`` mesh dim when Ulysses can be issued as recorded parts: query, key
+    and value ``Shard(2)`` there; on the other mesh dims Replicate, batch- or head-sharded
+    (``Shard(0)``/``Shard(1)``), or ``Shard(2)`` on a ``ring_cp`` dim (the ring then runs on
+    the head-sharded blocks, recorded with its own backward); and moving each to the heads
+    costs one all_to_all on ``ulysses_cp`` (else None: see :func:`refusal`)."""
     from ..ops.cp_attention import cp_dims
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return None
     dims = cp_dims(q.device_mesh)
-    u = dims.get("ulysses_cp")
-    if u is None or "ulysses_cp2" in dims:
+    u, ring = dims.get("ulysses_cp"), dims.get("ring_cp")
+    if u is None or "ulysses_cp2" in dims or "ring_cp2" in dims:
         return None
     for m in range(q.device_mesh.ndim):
         for t in (q, k, v):
             p = t.placements[m]
-            if (m == u and p != Shard(SEQ)) or (m != u and not (p.is_replicate() or
-                                                                p in (Shard(0), Shard(HEADS)))):
+            ok = (p == Shard(SEQ) if m == u else
+                  p.is_replicate() or p in (Shard(0), Shard(HEADS)) or
+                  (m == ring and p == Shard(SEQ)))
+            if not ok:
                 return None
-            if m > u and p == Shard(HEADS):
-                return None  # see refusal()
-    return u
+    return u if all(_one_all_to_all(t, u) for t in (q, k, v)) else None
+
+
+def _one_all_to_all(t, u) -> bool:
+    """Whether moving ``t``'s sequence shards on ``u`` to the heads is one all_to_all there
+    (not so when a later mesh dim splits the heads or the sequence inside ``u``'s)."""
+    from ..redistribute import plan_redistribute
+    steps = [s for s in plan_redistribute(t.device_mesh, t.shape, t.placements,
+                                          _heads(t.placements, u), t.dtype.itemsize)
+             if s.is_collective]
+    return [(s.kind, s.mesh_dim) for s in steps] == [("all_to_all", u)]
 
 
 def refusal(q, k, v) -> str:
@@ -53,13 +65,15 @@ def refusal(q, k, v) -> str:
     mesh = q.device_mesh
     names = mesh.mesh_dim_names or ()
     u = next((i for i, n in enumerate(names) if n in ("ulysses_cp", "ulysess_cp")), None)
-    later = [names[m] for m in range(mesh.ndim) if u is not None and m > u and
-             any(t.placements[m] == Shard(HEADS) for t in (q, k, v))]
-    if later:
-        return (f"no backward yet for Ulysses attention when a mesh dim after {names[u]} "
-                f"shards the heads ({later[0]!r}): heads split on {names[u]} inside "
-                f"{later[0]!r} have no placement to be recorded in; list {later[0]!r} before "
-                f"{names[u]} in mesh_dim_names")
+    if u is not None and all(t.placements[u] == Shard(SEQ) for t in (q, k, v)):
+        later = [names[m] for m in range(u + 1, mesh.ndim)
+                 if any(t.placements[m] in (Shard(HEADS), Shard(SEQ)) for t in (q, k, v))]
+        if later and not all(_one_all_to_all(t, u) for t in (q, k, v)):
+            return (f"no backward yet for Ulysses attention with {later[0]!r} after "
+                    f"{names[u]} in the mesh: moving the sequence to the heads on "
+                    f"{names[u]} would cost more than one all_to_all there (the heads or the "
+                    f"sequence split on {names[u]} inside {later[0]!r}); list {later[0]!r} "
+                    f"before {names[u]} in mesh_dim_names")
     return "no backward yet for scaled_dot_product_attention (context parallel) here"
 
 
