@@ -66,6 +66,7 @@ def test_llama_gradients_match_transformers(live, reference, shape, names):
     _check_gradients(reference, shape, names)
 
 
+@pytest.mark.timeout(600)  # 8 worker processes on this machine's cores
 @pytest.mark.parametrize("shape, names", MESHES_8, ids=["x".join(n) for _, n in MESHES_8])
 def test_llama_gradients_match_transformers_on_8_ranks(other_cluster, reference, shape, names):
     other_cluster(n_workers=8)

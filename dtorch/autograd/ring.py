@@ -68,7 +68,7 @@ def ring_attention(c, bound):
     inputs = (q, k, v) + ((mask,) if mask is not None else ())
     c.issue(m.Call(tids, plan, tuple(m.Ref(t._tid) for t in inputs), {}, mesh.ranks))
     out_spec = make_spec(q.shape[:3] + (v.shape[3],), q.dtype, mesh, q.placements)
-    lse_spec = make_spec(q.shape[:3] + (1,), q.dtype, mesh, q.placements)
+    lse_spec = make_spec(q.shape[:3] + (2,), q.dtype, mesh, q.placements)  # see ring_lse
     out, kept, lse = (_wrap(s, t, c) for s, t in zip((out_spec, out_spec, lse_spec), tids))
     grad_inputs = _unique([t for t in (q, k, v) if requires(t)])
     needs = tuple(requires(t) for t in (q, k, v))

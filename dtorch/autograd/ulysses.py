@@ -3,10 +3,12 @@ its three parts, each recorded - query, key and value redistributed from the seq
 ``Shard(2)`` to the heads ``Shard(1)`` on the ``ulysses_cp`` dim (all_to_all), the local
 attention on whole sequences (an op node: its backward is torch's attention VJP on every
 rank), and the output redistributed back (all_to_all). Other mesh dims may hold them
-Replicate, batch-sharded or head-sharded (tp x ulysses: the heads split on both dims);
-grouped key/value heads that would not stay over their query heads are repeated first. The forward costs the composite's four
-all_to_alls; the backward is their transpose, planned by the engine: one all_to_all for the
-output's gradient and one per input that requires grad. Example::
+Replicate, batch-sharded or head-sharded (tp x ulysses: the heads split on both dims), or
+sequence-sharded on a ``ring_cp`` dim listed before ``ulysses_cp`` (the ring then runs on
+the head-sharded blocks, with its own backward: ``autograd/ring.py``); grouped key/value
+heads that would not stay over their query heads are repeated first. The forward costs the
+composite's four all_to_alls; the backward is their transpose, planned by the engine: one
+all_to_all for the output's gradient and one per input that requires grad. Example::
 
     out = ulysses_attention(F.scaled_dot_product_attention, (q, k, v), {"is_causal": True})
 """

@@ -165,8 +165,8 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
     placements) with Ulysses on mesh dim ``u`` and the ring on mesh dim ``ring`` (either may
     be None). Inputs are slots 0-2 (3: the mask). With ``save_lse`` (the ring alone, for its
     backward) the outputs are ``(out, out, lse)``: the output twice (the user's and the one
-    the backward keeps) and the log-sum-exp of each query row, ``[N, H, L, 1]`` in Q's
-    layout (it rides the output's zig-zag all_to_all: no collective more)."""
+    the backward keeps) and the log-sum-exp of each query row, ``[N, H, L, 2]`` in Q's
+    layout (see ``ring_lse``) (it rides the output's zig-zag all_to_all: no collective more)."""
     mesh = q.mesh
     b = PlanBuilder("scaled_dot_product_attention (context parallel)", 3 + has_mask, q.dtype)
     lq, lk, lv = _start(q, 0), _start(k, 1), _start(v, 2)
@@ -193,8 +193,8 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
         if balance and save_lse:
             both, = b.local(cat_last, Slot(out), Slot(lse))
             b.drop(out, lse)
-            back = _zigzag_out(b, mesh, ring, both, lq, home, total, v.shape[3] + 1)
-            out, lse = b.local(split_last, Slot(back), (v.shape[3], 1), outs=2)
+            back = _zigzag_out(b, mesh, ring, both, lq, home, total, v.shape[3] + 2)
+            out, lse = b.local(split_last, Slot(back), (v.shape[3], 2), outs=2)
             b.drop(back)
         elif balance:
             out = _zigzag_out(b, mesh, ring, out, lq, home, total, v.shape[3])
@@ -459,9 +459,14 @@ def ring_finish(acc, mx, den, dtype):
 
 
 def ring_lse(mx, den, dtype):
-    """The log-sum-exp of each query row's scores (``-inf`` where no key is allowed)."""
-    return torch.where(den > 0, mx + torch.log(den.clamp_min(torch.finfo(den.dtype).tiny)),
-                       torch.full_like(mx, -math.inf)).to(dtype)
+    """The log-sum-exp of each query row's scores (``-inf`` where no key is allowed) as two
+    columns in ``dtype``, a rounded value and its rounding error: their sum keeps about twice
+    the dtype's precision (float16/bfloat16 outputs; the error column is 0 in float32/64)."""
+    lse = torch.where(den > 0, mx + torch.log(den.clamp_min(torch.finfo(den.dtype).tiny)),
+                      torch.full_like(mx, -math.inf))
+    hi = lse.to(dtype)
+    lo = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse - hi.to(lse.dtype))
+    return torch.cat((hi, lo.to(dtype)), -1)
 
 
 def cat_last(*xs):

@@ -1,18 +1,20 @@
 """The ring attention's backward, as a composite plan (planned here, purely; run by
 ``dtorch.runtime.composite`` like the forward of ``dtorch.ops.cp_attention``).
 
-Inputs (slots): 0-2 query, key, value, 3 the output, 4 its log-sum-exp (``[N, H, L, 1]``,
-saved by the forward), 5 the output's gradient, 6 the mask (if any), all in the user's
-layout (sequence ``Shard(2)`` on ``ring_cp``). Each rank keeps its query rows and
-accumulates dQ there; K/V blocks travel the ring as in the forward (``n - 1`` shifts, each
-overlapped with the compute on the block in hand), and the dK/dV of a block travel with it
-one step behind (``n`` shifts: the last one brings them home). Each block's contribution is
-recomputed from the saved log-sum-exp (``P = exp(S - lse)``) and differentiated by torch's
-autograd on the forward's own score function (masks, GQA and causal positions as in the
-forward). Under ``is_causal`` the forward's zig-zag balance is kept: query rows, output,
-log-sum-exp and its gradient move into the zig-zag layout in one all_to_all, K/V in a
-second, dQ comes back in a third and dK/dV in a fourth; key pieces wholly in a query piece's
-future are skipped. Only the gradients asked for are computed and moved. Example::
+Inputs (slots): 0-2 query, key, value, 3 the output, 4 its log-sum-exp (``[N, H, L, 2]``,
+saved by the forward: ``cp_attention.ring_lse``), 5 the output's gradient, 6 the mask (if
+any), all in the user's layout (sequence ``Shard(2)`` on ``ring_cp``). Each rank keeps its
+query rows and accumulates dQ there; K/V blocks travel the ring as in the forward (``n - 1``
+shifts, each overlapped with the compute on the block in hand), and the dK/dV of a block
+travel with it one step behind (``n`` shifts: the last one brings them home; each posted
+after the block's compute, received while the next block computes). Each block's
+contribution is recomputed from the saved log-sum-exp (``P = exp(S - lse)``) and
+differentiated by torch's autograd on the forward's own score function (masks, GQA and
+causal positions as in the forward). Under ``is_causal`` the forward's zig-zag balance is
+kept: query rows, output, log-sum-exp and its gradient move into the zig-zag layout in one
+all_to_all, K/V in a second, dQ comes back in a third and dK/dV in a fourth; key pieces
+wholly in a query piece's future are skipped. Only the gradients asked for are computed and
+moved. Example::
 
     >>> from dtorch import init_device_mesh, Shard
     >>> from dtorch.tensor import make_spec
@@ -46,14 +48,14 @@ def plan_ring_backward(q, k, v, has_mask: bool, causal: bool, scale, ring: int, 
     rows, = b.local(cat_last, Slot(0), Slot(3), Slot(4), Slot(5))  # q | out | lse | dout
     keys, = b.local(cat_last, Slot(1), Slot(2))                    # k | v
     b.drop(0, 1, 2, 3, 4, 5)
-    zq = _Local(rows, {r: s[:3] + (e + 2 * ev + 1,) for r, s in lq.shapes.items()}, lq.seq,
+    zq = _Local(rows, {r: s[:3] + (e + 2 * ev + 2,) for r, s in lq.shapes.items()}, lq.seq,
                 lq.heads)
     zk = _Local(keys, {r: s[:3] + (e + ev,) for r, s in lk.shapes.items()}, lk.seq, lk.heads)
     balance = causal and _balanceable(mesh, ring, lq, lk, q.shape[SEQ], k.shape[SEQ])
     if balance:
         zq, zk = (_zigzag_in(b, mesh, ring, x, q.shape[SEQ]) for x in (zq, zk))
         b.drop(rows, keys)
-    qs, outs, lses, douts = b.local(split_last, Slot(zq.slot), (e, ev, 1, ev), outs=4)
+    qs, outs, lses, douts = b.local(split_last, Slot(zq.slot), (e, ev, 2, ev), outs=4)
     ks, vs = b.local(split_last, Slot(zk.slot), (e, ev), outs=2)
     b.drop(zq.slot, zk.slot)
     delta, = b.local(ring_delta, Slot(outs), Slot(douts))
@@ -162,7 +164,8 @@ def ring_grad_step(q, k, v, dout, lse, delta, dq, q_ranges, k_ranges, mask, bloc
     gives the attention's VJP (``dS = P * (dP - delta)``) through the forward's own scores."""
     dt = dq.dtype
     qq, kk, vv = (x.detach().to(dt).requires_grad_() for x in (q, k, v))
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(dt)
+    lse = lse[..., :1].to(dt) + lse[..., 1:].to(dt)  # rounded value + its rounding error
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     total = None
     with torch.enable_grad():
         for qo, qst, qn in _offsets(q_ranges):
