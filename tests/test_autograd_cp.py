@@ -324,3 +324,19 @@ def test_ring_backward_in_bfloat16_is_about_as_close_as_torchs(live, causal):
         ours = (d.grad.to_torch().double() - e.grad).abs().max()
         torchs = (t.grad.double() - e.grad).abs().max()
         assert ours <= 2.5 * torchs, (ours, torchs)
+
+
+def test_ring_backward_after_an_in_place_change_of_its_input_raises_torchs_error(live):
+    mesh = init_device_mesh("cpu", 2, mesh_dim_names=("ring_cp",))
+    q, k, v = qkv()
+    dq = dtorch.tensor(q, device_mesh=mesh, placements=[S2], requires_grad=True)
+    dk, dv = (dtorch.tensor(t, device_mesh=mesh, placements=[S2]) for t in (k, v))
+    loss = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True).sum()
+    with torch.no_grad():
+        dk.mul_(2)  # the ring's backward would read the new key
+    loss.backward()
+    with pytest.raises(dtorch.RemoteError, match="modified by an inplace operation"):
+        dq.grad.to_torch()
+    with pytest.raises(dtorch.RemoteError, match="the key of ring attention is at version"):
+        dtorch.synchronize()  # the failure itself, reported once
+    check(mesh, [S2], (q, k, v), is_causal=True)  # the cluster goes on

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import torch
+
 from .. import comm_debug
 from ..placement import Shard
 from ..runtime import messages as m
@@ -64,15 +66,18 @@ def ring_attention(c, bound):
               bound.get("scale"), cp_dims(mesh)["ring_cp"])
     plan = _forward_plan(*config)
     comm_debug.record_steps(plan.collectives)
-    tids = tuple(c.new_tid() for _ in range(3))
+    tids = tuple(c.new_tid() for _ in range(4))
     inputs = (q, k, v) + ((mask,) if mask is not None else ())
     c.issue(m.Call(tids, plan, tuple(m.Ref(t._tid) for t in inputs), {}, mesh.ranks))
     out_spec = make_spec(q.shape[:3] + (v.shape[3],), q.dtype, mesh, q.placements)
     lse_spec = make_spec(q.shape[:3] + (2,), q.dtype, mesh, q.placements)  # see ring_lse
-    out, kept, lse = (_wrap(s, t, c) for s, t in zip((out_spec, out_spec, lse_spec), tids))
+    # each rank's own [inputs, 2] (id, version) pairs: an internal handle, never read as a value
+    versions_spec = make_spec((len(inputs), 2), torch.int64, mesh, None)
+    out, kept, lse, versions = (_wrap(s, t, c) for s, t in zip(
+        (out_spec, out_spec, lse_spec, versions_spec), tids))
     grad_inputs = _unique([t for t in (q, k, v) if requires(t)])
     needs = tuple(requires(t) for t in (q, k, v))
-    saved = (q, k, v, kept, lse) + ((mask,) if mask is not None else ())
+    saved = (q, k, v, kept, lse) + ((mask,) if mask is not None else ()) + (versions,)
     node = Node(c.new_tid(), "RingAttentionBackward", c, mesh, [t._spec for t in grad_inputs],
                 [out_spec], [edge_of(t) for t in grad_inputs], keeps_graph=False,
                 backward=RingBackward(config, needs, saved, [t._tid for t in grad_inputs]))
@@ -83,8 +88,8 @@ def ring_attention(c, bound):
 class RingBackward:
     """A ring node's backward: the configuration its plans are cached under, which of
     query, key and value need a gradient, the saved handles (query, key, value, output,
-    log-sum-exp, mask; dropped after a backward without ``retain_graph``) and the node's
-    inputs (their tids, in the node's order)."""
+    log-sum-exp, mask, the inputs' versions on each rank; dropped after a backward without
+    ``retain_graph``) and the node's inputs (their tids, in the node's order)."""
 
     def __init__(self, config, needs, saved, inputs):
         self.config, self.needs, self.saved, self.inputs = config, needs, saved, inputs

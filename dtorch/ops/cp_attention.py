@@ -164,9 +164,10 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
     """The composite plan for query/key/value specs (anything with shape, dtype, mesh and
     placements) with Ulysses on mesh dim ``u`` and the ring on mesh dim ``ring`` (either may
     be None). Inputs are slots 0-2 (3: the mask). With ``save_lse`` (the ring alone, for its
-    backward) the outputs are ``(out, out, lse)``: the output twice (the user's and the one
-    the backward keeps) and the log-sum-exp of each query row, ``[N, H, L, 2]`` in Q's
-    layout (see ``ring_lse``) (it rides the output's zig-zag all_to_all: no collective more)."""
+    backward) the outputs are ``(out, out, lse, versions)``: the output twice (the user's and
+    the one the backward keeps), the log-sum-exp of each query row, ``[N, H, L, 2]`` in Q's
+    layout (see ``ring_lse``; it rides the output's zig-zag all_to_all: no collective more),
+    and the inputs' torch version counters (the backward checks them, as torch would)."""
     mesh = q.mesh
     b = PlanBuilder("scaled_dot_product_attention (context parallel)", 3 + has_mask, q.dtype)
     lq, lk, lv = _start(q, 0), _start(k, 1), _start(v, 2)
@@ -174,6 +175,8 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
     batch = {r: (rank_block(q.shape, mesh, q.placements, mesh.get_coordinate(r)).offset[0],
                  lq.shapes[r][0]) for r in mesh.ranks}
     mask = Slot(3) if has_mask else None
+    if save_lse:
+        versions, = b.local(tensor_versions, *map(Slot, range(3 + has_mask)))
     ulysses = u is not None and mesh.shape[u] > 1
     if ulysses:
         g = q.shape[HEADS] // k.shape[HEADS]
@@ -181,8 +184,9 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
             lk, lv = _expand(b, lk, lq, g), _expand(b, lv, lq, g)
         lq, lk, lv = (_ulysses_in(b, mesh, u, x) for x in (lq, lk, lv))
         b.drop(0, 1, 2)
-    if ring is not None and mesh.shape[ring] > 1:
-        balance = causal and _balanceable(mesh, ring, lq, lk, q.shape[SEQ], k.shape[SEQ])
+    if ring is not None and (mesh.shape[ring] > 1 or save_lse):
+        balance = causal and mesh.shape[ring] > 1 and _balanceable(mesh, ring, lq, lk,
+                                                                   q.shape[SEQ], k.shape[SEQ])
         if balance:  # zig-zag: every rank gets an early and a late chunk of the sequence
             home, total = lq, q.shape[SEQ]
             inputs = (lq.slot, lk.slot, lv.slot)
@@ -199,7 +203,7 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
         elif balance:
             out = _zigzag_out(b, mesh, ring, out, lq, home, total, v.shape[3])
         if save_lse:
-            return b.build((out, out, lse), watch)
+            return b.build((out, out, lse, versions), watch)
     else:
         slot, = b.local(local_attention, Slot(lq.slot), Slot(lk.slot), Slot(lv.slot), mask,
                         per_rank({r: (batch[r], lq.heads[r]) for r in mesh.ranks}), causal,
@@ -467,6 +471,25 @@ def ring_lse(mx, den, dtype):
     hi = lse.to(dtype)
     lo = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse - hi.to(lse.dtype))
     return torch.cat((hi, lo.to(dtype)), -1)
+
+
+def tensor_versions(*xs):
+    """``[[id, torch version counter], ...]`` of the tensors a backward will read again."""
+    return torch.tensor([[id(x), x._version] for x in xs], dtype=torch.int64)
+
+
+def check_versions(versions, *xs):
+    """Raise torch's in-place error when a tensor was replaced or modified since
+    :func:`tensor_versions` saw it (returns a dummy: a step has an output)."""
+    for (ident, then), x, name in zip(versions.tolist(), xs, ("query", "key", "value",
+                                                              "attn_mask")):
+        if ident != id(x) or then != x._version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: the {name} of ring attention is at version {x._version}; "
+                f"expected version {then} instead. Do not modify it in place before backward "
+                f"(clone it first)")
+    return versions
 
 
 def cat_last(*xs):

@@ -3,7 +3,8 @@
 
 Inputs (slots): 0-2 query, key, value, 3 the output, 4 its log-sum-exp (``[N, H, L, 2]``,
 saved by the forward: ``cp_attention.ring_lse``), 5 the output's gradient, 6 the mask (if
-any), all in the user's layout (sequence ``Shard(2)`` on ``ring_cp``). Each rank keeps its
+any), then the inputs' versions at forward (checked first: torch's in-place error), all in
+the user's layout (sequence ``Shard(2)`` on ``ring_cp``). Each rank keeps its
 query rows and accumulates dQ there; K/V blocks travel the ring as in the forward (``n - 1``
 shifts, each overlapped with the compute on the block in hand), and the dK/dV of a block
 travel with it one step behind (``n`` shifts: the last one brings them home; each posted
@@ -34,8 +35,8 @@ from ..layout import rank_block
 from ..runtime.messages import Slot
 from .composite import PlanBuilder, per_rank
 from .cp_attention import (HEADS, SEQ, _Local, _balanceable, _offsets, _peers, _start,
-                           _zigzag_in, _zigzag_out, _acc_dtype, cat_last, scores,
-                           split_last, weighted_values)
+                           _zigzag_in, _zigzag_out, _acc_dtype, cat_last, check_versions,
+                           scores, split_last, weighted_values)
 
 
 def plan_ring_backward(q, k, v, has_mask: bool, causal: bool, scale, ring: int, needs):
@@ -43,7 +44,10 @@ def plan_ring_backward(q, k, v, has_mask: bool, causal: bool, scale, ring: int, 
     ``needs`` says which of dQ, dK, dV to compute: the outputs, in that order."""
     mesh = q.mesh
     e, ev = q.shape[3], v.shape[3]
-    b = PlanBuilder("scaled_dot_product_attention backward (ring)", 6 + has_mask, q.dtype)
+    b = PlanBuilder("scaled_dot_product_attention backward (ring)", 7 + has_mask, q.dtype)
+    checked, = b.local(check_versions, Slot(6 + has_mask),
+                       *map(Slot, (0, 1, 2, 6)[:3 + has_mask]))
+    b.drop(checked, 6 + has_mask)
     lq, lk = _start(q, 0), _start(k, 1)
     rows, = b.local(cat_last, Slot(0), Slot(3), Slot(4), Slot(5))  # q | out | lse | dout
     keys, = b.local(cat_last, Slot(1), Slot(2))                    # k | v
@@ -51,7 +55,8 @@ def plan_ring_backward(q, k, v, has_mask: bool, causal: bool, scale, ring: int, 
     zq = _Local(rows, {r: s[:3] + (e + 2 * ev + 2,) for r, s in lq.shapes.items()}, lq.seq,
                 lq.heads)
     zk = _Local(keys, {r: s[:3] + (e + ev,) for r, s in lk.shapes.items()}, lk.seq, lk.heads)
-    balance = causal and _balanceable(mesh, ring, lq, lk, q.shape[SEQ], k.shape[SEQ])
+    balance = causal and mesh.shape[ring] > 1 and _balanceable(mesh, ring, lq, lk,
+                                                               q.shape[SEQ], k.shape[SEQ])
     if balance:
         zq, zk = (_zigzag_in(b, mesh, ring, x, q.shape[SEQ]) for x in (zq, zk))
         b.drop(rows, keys)
