@@ -202,41 +202,35 @@ def test_ring_backward_plan_shifts_and_exchanges_in_order():
     assert len(plan.outputs) == 3 and "Exchange" in names
 
 
+@pytest.mark.parametrize("names", [("tp", "ulysses_cp"), ("ulysses_cp", "tp")],
+                         ids=["tp-first", "ulysses-first"])
 @pytest.mark.parametrize("tp, hq, hk", [(Shard(1), 8, 4), (Shard(1), 8, 2), (Shard(1), 4, 4),
                                         (R, 6, 3)],
                          ids=["heads-gqa", "heads-gqa-repeated", "heads", "replicate-gqa"])
-def test_ulysses_backward_with_heads_on_tp(live, tp, hq, hk):
-    """tp x ulysses: the heads split on tp, then on ulysses_cp inside; forward the four
+def test_ulysses_backward_with_heads_on_tp(live, tp, hq, hk, names):
+    """tp x ulysses: the heads split on tp, then on ulysses_cp inside (with tp listed after
+    ulysses_cp, through the heads viewed as [tp blocks, heads per block]); forward the four
     all_to_alls of the composite, backward their transposes, all on ulysses_cp (grouped
     key/value heads that would not stay over their query heads are repeated locally)."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "ulysses_cp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    placements = [tp, S2] if names[0] == "tp" else [S2, tp]
     q, k, v = qkv(hq=hq, hk=hk, lq=7, lk=7)
     ts = [t.clone().requires_grad_() for t in (q, k, v)]
-    ds = [dtorch.tensor(t, device_mesh=mesh, placements=[tp, S2], requires_grad=True)
+    ds = [dtorch.tensor(t, device_mesh=mesh, placements=placements, requires_grad=True)
           for t in (q, k, v)]
     kw = dict(is_causal=True, enable_gqa=hq != hk)
     out, counts, _ = run(lambda: F.scaled_dot_product_attention(*ds, **kw))
     assert counts == {"all_to_all": 4}
+    assert out.placements == tuple(placements)
     loss = (out ** 2).sum()
     _, counts, records = run(lambda: loss.backward())
     assert counts == {"all_to_all": 4}
     assert {(r.mesh_dim_name, r.phase) for r in records} == {("ulysses_cp", "backward")}
     (F.scaled_dot_product_attention(*ts, **kw) ** 2).sum().backward()
     for d, t in zip(ds, ts):
-        assert d.grad.placements == (tp, S2)
+        assert d.grad.placements == tuple(placements)
         torch.testing.assert_close(d.grad.to_torch(), t.grad)
 
-
-def test_ulysses_before_a_heads_dim_says_which_order_to_use(live):
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses_cp", "tp"))
-    q, k, v = qkv()
-    ds = [dtorch.tensor(t, device_mesh=mesh, placements=[S2, Shard(1)], requires_grad=True)
-          for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*ds)  # the composite runs
-    torch.testing.assert_close(out.to_torch(), F.scaled_dot_product_attention(q, k, v))
-    with pytest.raises(dtorch.UnsupportedOpError, match="list 'tp' before ulysses_cp"):
-        out.sum().backward()
-    check(init_device_mesh("cpu", 2, mesh_dim_names=("ring_cp",)), [S2], (q, k, v))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

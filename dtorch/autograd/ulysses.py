@@ -3,7 +3,8 @@ its three parts, each recorded - query, key and value redistributed from the seq
 ``Shard(2)`` to the heads ``Shard(1)`` on the ``ulysses_cp`` dim (all_to_all), the local
 attention on whole sequences (an op node: its backward is torch's attention VJP on every
 rank), and the output redistributed back (all_to_all). Other mesh dims may hold them
-Replicate, batch-sharded or head-sharded (tp x ulysses: the heads split on both dims), or
+Replicate, batch-sharded or head-sharded (tp x ulysses: the heads split on both dims; with
+tp listed after ulysses_cp the heads are viewed as ``[A, H/A]`` blocks first), or
 sequence-sharded on a ``ring_cp`` dim listed before ``ulysses_cp`` (the ring then runs on
 the head-sharded blocks, with its own backward: ``autograd/ring.py``); grouped key/value
 heads that would not stay over their query heads are repeated first. The forward costs the
@@ -49,7 +50,27 @@ def ulysses_dim(q, k, v) -> int | None:
                   (m == ring and p == Shard(SEQ)))
             if not ok:
                 return None
-    return u if all(_one_all_to_all(t, u) for t in (q, k, v)) else None
+    if all(_one_all_to_all(t, u) for t in (q, k, v)) or head_blocks(q, k, u) is not None:
+        return u
+    return None
+
+
+def head_blocks(q, k, u) -> int | None:
+    """With a heads dim (tp) listed after ``ulysses_cp`` and no ring dim after it: the number
+    ``A`` of head blocks the other mesh dims split the heads into (the product of their
+    sizes). Heads ``[N, H, ...]`` viewed as ``[N, A, H/A, ...]`` keep those dims on the
+    blocks and let ``ulysses_cp`` split each block, as the composite does: one all_to_all.
+    None when not needed or when the head counts do not divide by ``A``."""
+    mesh = q.device_mesh
+    later = range(u + 1, mesh.ndim)
+    if any(q.placements[m] == Shard(SEQ) for m in later) or not any(
+            q.placements[m] == Shard(HEADS) for m in later):
+        return None
+    a = 1
+    for m, p in enumerate(q.placements):
+        if m != u and p == Shard(HEADS):
+            a *= mesh.shape[m]
+    return a if q.shape[HEADS] % a == 0 and k.shape[HEADS] % a == 0 else None
 
 
 def _one_all_to_all(t, u) -> bool:
@@ -105,6 +126,9 @@ def ulysses_attention(func, args, kwargs):
     bound = bind(args, kwargs)
     q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
     u = ulysses_dim(q, k, v)
+    blocks = head_blocks(q, k, u)
+    if blocks is not None:
+        return _blocked(func, q, k, v, bound, u, blocks)
     if q.shape[HEADS] != k.shape[HEADS] and not groups_aligned(q, k, u):
         g = q.shape[HEADS] // k.shape[HEADS]
         k, v = repeat_heads(k, g), repeat_heads(v, g)
@@ -112,6 +136,28 @@ def ulysses_attention(func, args, kwargs):
                **bound)
     return out.redistribute(placements=[Shard(SEQ) if m == u else p
                                         for m, p in enumerate(out.placements)])
+
+
+def _blocked(func, q, k, v, bound, u, a):
+    """Ulysses with the heads viewed as ``[N, A, H/A, L, E]`` (see :func:`head_blocks`):
+    ``ulysses_cp`` moves from the sequence (dim 3) to the heads within a block (dim 2)."""
+    from ..layout import chunk_sizes
+    n = q.device_mesh.shape[u]
+    g = q.shape[HEADS] // k.shape[HEADS]
+    if g > 1 and chunk_sizes(q.shape[HEADS] // a, n) != tuple(
+            g * c for c in chunk_sizes(k.shape[HEADS] // a, n)):
+        k, v = repeat_heads(k, g), repeat_heads(v, g)
+
+    def fold(t):
+        b, h, length, e = t.shape
+        t = t.reshape(b, a, h // a, length, e)
+        return t.redistribute(placements=[Shard(HEADS + 1) if m == u else p
+                                          for m, p in enumerate(t.placements)])
+    out = func(fold(q), fold(k), fold(v), **bound)
+    out = out.redistribute(placements=[Shard(SEQ + 1) if m == u else p
+                                       for m, p in enumerate(out.placements)])
+    b, _, hb, length, e = out.shape
+    return out.reshape(b, a * hb, length, e)
 
 
 def repeat_heads(t, g: int):
