@@ -335,15 +335,17 @@ def test_value_dependent_ops_are_recorded_too(mesh1d):
 
 
 def test_composites_say_no_backward_yet(live):
-    """Ring attention runs (an inference forward needs no torch.no_grad()); a backward that
-    reaches it raises on the controller before anything is sent."""
-    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("ring_cp",))
-    q = dtorch.randn(1, 4, 8, 8, device_mesh=mesh, placements=[Shard(2)], requires_grad=True)
-    k = dtorch.randn(1, 4, 8, 8, device_mesh=mesh, placements=[Shard(2)])
-    v = dtorch.randn(1, 4, 8, 8, device_mesh=mesh, placements=[Shard(2)])
+    """A composite without a backward plan (Ulysses before a ring dim) runs (an inference
+    forward needs no torch.no_grad()); a backward that reaches it raises on the controller
+    before anything is sent."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses_cp", "ring_cp"))
+    sp = [Shard(2), Shard(2)]
+    q = dtorch.randn(1, 4, 8, 8, device_mesh=mesh, placements=sp, requires_grad=True)
+    k = dtorch.randn(1, 4, 8, 8, device_mesh=mesh, placements=sp)
+    v = dtorch.randn(1, 4, 8, 8, device_mesh=mesh, placements=sp)
     with dtorch.CommDebugMode() as mode:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-    assert mode.get_comm_counts() == {"send_recv": 3} and out.requires_grad
+    assert mode.get_comm_counts() == {"all_to_all": 4, "send_recv": 1} and out.requires_grad
     with torch.no_grad():
         plain = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(out.to_torch(), plain.to_torch())

@@ -1,7 +1,7 @@
 """Backward through dtorch's LlamaForCausalLM against transformers' on one device, on a real
 4-rank cluster: the same weights, a loss of the logits, every parameter's gradient within 1e-4
-of its largest value under TP, DP x TP, PP x TP, DP x PP and DP x Ulysses meshes (the
-gradients keep each parameter's placements); a ring mesh says "no backward yet"."""
+of its largest value under TP, DP x TP, PP x TP, DP x PP, DP x Ulysses, TP x ring and ring
+meshes (the gradients keep each parameter's placements), and on 8 ranks DP x TP x PP."""
 
 import pytest
 import torch
@@ -15,7 +15,9 @@ transformers = pytest.importorskip("transformers")
 CONFIG = dict(vocab_size=101, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
               intermediate_size=176, num_hidden_layers=2, eos_token_id=None)
 MESHES = [((4,), ("tp",)), ((2, 2), ("dp", "tp")), ((2, 2), ("pp", "tp")),
-          ((2, 2), ("dp", "pp")), ((2, 2), ("dp", "ulysses_cp"))]
+          ((2, 2), ("dp", "pp")), ((2, 2), ("dp", "ulysses_cp")), ((2, 2), ("tp", "ring_cp")),
+          ((4,), ("ring_cp",))]
+MESHES_8 = [((2, 2, 2), ("dp", "tp", "pp"))]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,9 @@ def _model(hf, shape, names):
     return model.double()
 
 
-@pytest.mark.parametrize("shape, names", MESHES, ids=["x".join(n) for _, n in MESHES])
-def test_llama_gradients_match_transformers(live, reference, shape, names):
+def _check_gradients(reference, shape, names):
+    """Loss within 1e-5, every parameter's gradient within 1e-4 of its largest value, in the
+    parameter's own placements."""
     hf, ids, want_loss, want = reference
     model = _model(hf, shape, names)
     loss = _loss(model(ids))
@@ -58,9 +61,13 @@ def test_llama_gradients_match_transformers(live, reference, shape, names):
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), name
 
 
-def test_llama_on_a_ring_mesh_says_no_backward_yet(live, reference):
-    hf, ids, _, _ = reference
-    model = _model(hf, (4,), ("ring_cp",))
-    loss = _loss(model(ids))  # the forward runs (inference needs no torch.no_grad())
-    with pytest.raises(dtorch.UnsupportedOpError, match="no backward yet"):
-        loss.backward()
+@pytest.mark.parametrize("shape, names", MESHES, ids=["x".join(n) for _, n in MESHES])
+def test_llama_gradients_match_transformers(live, reference, shape, names):
+    _check_gradients(reference, shape, names)
+
+
+@pytest.mark.timeout(600)  # 8 worker processes on this machine's cores
+@pytest.mark.parametrize("shape, names", MESHES_8, ids=["x".join(n) for _, n in MESHES_8])
+def test_llama_gradients_match_transformers_on_8_ranks(other_cluster, reference, shape, names):
+    other_cluster(n_workers=8)
+    _check_gradients(reference, shape, names)

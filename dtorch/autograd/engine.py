@@ -178,7 +178,9 @@ class _Walk:
             grads = self._incoming(node)
             if not grads or (needed is not None and nid not in needed):
                 continue
-            if node.keeps_graph:
+            if node.backward is not None:  # a composite's backward plan (ring attention)
+                in_grads = node.backward(node, grads, self.retain)
+            elif node.keeps_graph:
                 in_grads = _op_backward(node, grads, self.retain)
             else:  # FSDP's reduce_scatter runs here when the input is a parameter
                 with comm_debug.gradient_of(_leaf_name(node)):
@@ -198,7 +200,8 @@ class _Walk:
             grads = self.pending.pop((node.id, i), None)
             if not grads:
                 continue
-            if node.keeps_graph or len({g.placements for g in grads}) > 1:
+            if node.keeps_graph or node.backward is not None or \
+                    len({g.placements for g in grads}) > 1:
                 g = combine(grads, node.incoming(i))
             else:
                 g = combine(grads, None)

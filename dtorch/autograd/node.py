@@ -63,10 +63,11 @@ class Node:
     """A recorded op (or redistribute) on the controller; see the module doc."""
 
     __slots__ = ("id", "_name", "controller", "mesh", "in_specs", "out_specs", "edges",
-                 "out_metas", "released", "keeps_graph", "refusal", "saved", "__weakref__")
+                 "out_metas", "released", "keeps_graph", "refusal", "saved", "backward",
+                 "__weakref__")
 
     def __init__(self, node_id: int, name: str, controller, mesh, in_specs, out_specs, edges,
-                 keeps_graph: bool, refusal: str | None = None):
+                 keeps_graph: bool, refusal: str | None = None, backward=None):
         self.id, self._name, self.controller, self.mesh = node_id, name, controller, mesh
         self.in_specs, self.out_specs, self.edges = tuple(in_specs), tuple(out_specs), \
             tuple(edges)
@@ -74,7 +75,8 @@ class Node:
         self.released = False
         self.keeps_graph = keeps_graph
         self.refusal = refusal  # why backward cannot go through this node (None: it can)
-        self.saved: tuple = ()  # (version counter, version, description) per saved tensor
+        self.saved: tuple = ()  # (version counter, version, spec, which) per saved tensor
+        self.backward = backward  # a composite's backward(node, grads, retain) -> grads, or None
 
     def name(self) -> str:
         return self._name

@@ -80,12 +80,16 @@ def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill,
     if outputs.kind == "eager":
         return _eager(c, func, plan, cargs, ckwargs, tensors, display_name(func))
     if type(plan.fn) is m.CompositePlan:
-        from . import ulysses
+        from . import ring, ulysses
+        why = None
         if func is torch.nn.functional.scaled_dot_product_attention:
             bound = ulysses.bind(args, kwargs)
             if ulysses.ulysses_dim(bound["query"], bound["key"], bound["value"]) is not None:
                 return ulysses.ulysses_attention(func, args, kwargs)
-        return _composite(c, plan, tensors, fill, fill_kwargs)
+            why = ring.refusal(bound)
+            if why is None:
+                return ring.ring_attention(c, bound)
+        return _composite(c, plan, tensors, fill, fill_kwargs, why)
     if plan.inplace is not None:
         _check_inplace(func, tensors[plan.inplace])
     mask = tuple(requires(t) for t in tensors)
@@ -123,7 +127,7 @@ def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill,
     return outs[0] if outputs.kind == "one" else rebuild(outputs, outs)
 
 
-def _composite(c, plan, tensors, fill, fill_kwargs):
+def _composite(c, plan, tensors, fill, fill_kwargs, why=None):
     """A composite op (ring / Ulysses attention) runs as without autograd; its outputs get a
     node that refuses backward (raised on the controller when a backward reaches it, before
     anything is sent), so an inference forward without ``torch.no_grad()`` still works."""
@@ -139,8 +143,8 @@ def _composite(c, plan, tensors, fill, fill_kwargs):
     node = Node(c.new_tid(), f"{plan.fn.name}Backward", c, tensors[0]._spec.mesh,
                 [t._spec for t in grad_inputs], plan.out_specs,
                 [edge_of(t) for t in grad_inputs], keeps_graph=False,
-                refusal=f"no backward yet for {plan.fn.name} (a composite op); detach its "
-                        f"inputs, or redistribute them so that the plain op runs")
+                refusal=(why or f"no backward yet for {plan.fn.name} (a composite op)") +
+                f"; detach its inputs, or redistribute them so that the plain op runs")
     for i, out in enumerate(outs):
         if out.dtype.is_floating_point or out.dtype.is_complex:
             mark_output(out, node, i)

@@ -160,10 +160,14 @@ def _expand(b: PlanBuilder, x: _Local, q: _Local, g: int) -> _Local:
 
 
 def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | None,
-                      ring: int | None):
+                      ring: int | None, save_lse: bool = False):
     """The composite plan for query/key/value specs (anything with shape, dtype, mesh and
     placements) with Ulysses on mesh dim ``u`` and the ring on mesh dim ``ring`` (either may
-    be None). Inputs are slots 0-2 (3: the mask)."""
+    be None). Inputs are slots 0-2 (3: the mask). With ``save_lse`` (the ring alone, for its
+    backward) the outputs are ``(out, out, lse, versions)``: the output twice (the user's and
+    the one the backward keeps), the log-sum-exp of each query row, ``[N, H, L, 2]`` in Q's
+    layout (see ``ring_lse``; it rides the output's zig-zag all_to_all: no collective more),
+    and the inputs' torch version counters (the backward checks them, as torch would)."""
     mesh = q.mesh
     b = PlanBuilder("scaled_dot_product_attention (context parallel)", 3 + has_mask, q.dtype)
     lq, lk, lv = _start(q, 0), _start(k, 1), _start(v, 2)
@@ -171,6 +175,8 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
     batch = {r: (rank_block(q.shape, mesh, q.placements, mesh.get_coordinate(r)).offset[0],
                  lq.shapes[r][0]) for r in mesh.ranks}
     mask = Slot(3) if has_mask else None
+    if save_lse:
+        versions, = b.local(tensor_versions, *map(Slot, range(3 + has_mask)))
     ulysses = u is not None and mesh.shape[u] > 1
     if ulysses:
         g = q.shape[HEADS] // k.shape[HEADS]
@@ -178,16 +184,26 @@ def plan_cp_attention(q, k, v, has_mask: bool, causal: bool, scale, u: int | Non
             lk, lv = _expand(b, lk, lq, g), _expand(b, lv, lq, g)
         lq, lk, lv = (_ulysses_in(b, mesh, u, x) for x in (lq, lk, lv))
         b.drop(0, 1, 2)
-    if ring is not None and mesh.shape[ring] > 1:
-        balance = causal and _balanceable(mesh, ring, lq, lk, q.shape[SEQ], k.shape[SEQ])
+    if ring is not None and (mesh.shape[ring] > 1 or save_lse):
+        balance = causal and mesh.shape[ring] > 1 and _balanceable(mesh, ring, lq, lk,
+                                                                   q.shape[SEQ], k.shape[SEQ])
         if balance:  # zig-zag: every rank gets an early and a late chunk of the sequence
             home, total = lq, q.shape[SEQ]
             inputs = (lq.slot, lk.slot, lv.slot)
             lq, lk, lv = (_zigzag_in(b, mesh, ring, x, total) for x in (lq, lk, lv))
             b.drop(*inputs)
-        out, watch = _ring(b, mesh, ring, lq, lk, lv, mask, batch, causal, scale, q.dtype)
-        if balance:
+        out, lse, watch = _ring(b, mesh, ring, lq, lk, lv, mask, batch, causal, scale,
+                                q.dtype, save_lse)
+        if balance and save_lse:
+            both, = b.local(cat_last, Slot(out), Slot(lse))
+            b.drop(out, lse)
+            back = _zigzag_out(b, mesh, ring, both, lq, home, total, v.shape[3] + 2)
+            out, lse = b.local(split_last, Slot(back), (v.shape[3], 2), outs=2)
+            b.drop(back)
+        elif balance:
             out = _zigzag_out(b, mesh, ring, out, lq, home, total, v.shape[3])
+        if save_lse:
+            return b.build((out, out, lse, versions), watch)
     else:
         slot, = b.local(local_attention, Slot(lq.slot), Slot(lk.slot), Slot(lv.slot), mask,
                         per_rank({r: (batch[r], lq.heads[r]) for r in mesh.ranks}), causal,
@@ -276,9 +292,10 @@ def _zigzag_out(b: PlanBuilder, mesh, rd, out: int, z: _Local, home: _Local, tot
 
 
 def _ring(b: PlanBuilder, mesh, rd, q: _Local, k: _Local, v: _Local, mask, batch, causal,
-          scale, q_dtype):
+          scale, q_dtype, save_lse: bool = False):
     """K/V around the ring: ``n - 1`` shifts, each posted before the compute on the block in
-    hand and finished after it. Returns ``(output slot, the K/V slots watched)``."""
+    hand and finished after it. Returns ``(output slot, log-sum-exp slot or None, the K/V
+    slots watched)``."""
     n = mesh.shape[rd]
     acc = b.local(ring_init, Slot(q.slot), Slot(v.slot), outs=3)
     cur, watch = (k.slot, v.slot), [k.slot, v.slot]
@@ -300,8 +317,9 @@ def _ring(b: PlanBuilder, mesh, rd, q: _Local, k: _Local, v: _Local, mask, batch
         b.drop(*cur)
         cur = nxt
     out, = b.local(ring_finish, *map(Slot, acc), dtype=q_dtype)
+    lse = b.local(ring_lse, Slot(acc[1]), Slot(acc[2]), dtype=q_dtype)[0] if save_lse else None
     b.drop(*acc)
-    return out, watch
+    return out, lse, watch
 
 
 # the kernels the ranks run (module level: they travel by name) ----------------------------------
@@ -401,13 +419,12 @@ def _ring_step_pieces(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, sc
     return tuple(torch.cat([o[i] for o in outs], SEQ) for i in range(3))
 
 
-def _merge_block(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, causal, scale):
-    """The online-softmax update of the accumulators with one block of keys and values."""
-    dt = acc.dtype
+def scores(q, k, q_ranges, k_ranges, mask, block, causal, scale, dt):
+    """Scaled, masked attention scores ``[N, Hq, Lq, Lk]`` of a query block against a key
+    block at the given sequence positions (grouped-query heads by reshaping, no copies)."""
     n, hq, lq, e = q.shape
     hk = k.shape[HEADS]
-    g = hq // hk
-    qg = q.to(dt).reshape(n, hk, g, lq, e)
+    qg = q.to(dt).reshape(n, hk, hq // hk, lq, e)
     s = (qg @ k.to(dt).unsqueeze(2).transpose(-1, -2)).reshape(n, hq, lq, k.shape[2])
     s = s * (scale if scale is not None else 1 / math.sqrt(e))
     qpos, kpos = _positions(q_ranges, q.device), _positions(k_ranges, q.device)
@@ -416,12 +433,26 @@ def _merge_block(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, causal,
     if mask is not None:
         m = _mask_block(mask, block, qpos, kpos)
         s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.to(dt)
+    return s
+
+
+def weighted_values(p, v, dt):
+    """``p @ v`` with grouped-query heads: ``p`` ``[N, Hq, Lq, Lk]``, ``v`` ``[N, Hk, Lk, Ev]``."""
+    n, hq, lq, _ = p.shape
+    hk = v.shape[HEADS]
+    return (p.reshape(n, hk, hq // hk, lq, -1) @ v.to(dt).unsqueeze(2)).reshape(n, hq, lq, -1)
+
+
+def _merge_block(q, k, v, acc, mx, den, q_ranges, k_ranges, mask, block, causal, scale):
+    """The online-softmax update of the accumulators with one block of keys and values."""
+    dt = acc.dtype
+    s = scores(q, k, q_ranges, k_ranges, mask, block, causal, scale, dt)
     new_mx = torch.maximum(mx, s.amax(-1, keepdim=True))
     safe = torch.where(torch.isinf(new_mx) & (new_mx < 0), torch.zeros_like(new_mx), new_mx)
     p = torch.exp(s - safe)
     corr = torch.exp(mx - safe)
-    pv = (p.reshape(n, hk, g, lq, -1) @ v.to(dt).unsqueeze(2)).reshape(n, hq, lq, -1)
-    return acc * corr + pv, new_mx, den * corr + p.sum(-1, keepdim=True)
+    return (acc * corr + weighted_values(p, v, dt), new_mx,
+            den * corr + p.sum(-1, keepdim=True))
 
 
 def ring_finish(acc, mx, den, dtype):
@@ -429,3 +460,43 @@ def ring_finish(acc, mx, den, dtype):
     out = torch.where(den > 0, acc / den.clamp_min(torch.finfo(den.dtype).tiny),
                       torch.zeros_like(acc))
     return out.to(dtype)
+
+
+def ring_lse(mx, den, dtype):
+    """The log-sum-exp of each query row's scores (``-inf`` where no key is allowed) as two
+    columns in ``dtype``, a rounded value and its rounding error: their sum keeps about twice
+    the dtype's precision (float16/bfloat16 outputs; the error column is 0 in float32/64)."""
+    lse = torch.where(den > 0, mx + torch.log(den.clamp_min(torch.finfo(den.dtype).tiny)),
+                      torch.full_like(mx, -math.inf))
+    hi = lse.to(dtype)
+    lo = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse - hi.to(lse.dtype))
+    return torch.cat((hi, lo.to(dtype)), -1)
+
+
+def tensor_versions(*xs):
+    """``[[id, torch version counter], ...]`` of the tensors a backward will read again."""
+    return torch.tensor([[id(x), x._version] for x in xs], dtype=torch.int64)
+
+
+def check_versions(versions, *xs):
+    """Raise torch's in-place error when a tensor was replaced or modified since
+    :func:`tensor_versions` saw it (returns a dummy: a step has an output)."""
+    for (ident, then), x, name in zip(versions.tolist(), xs, ("query", "key", "value",
+                                                              "attn_mask")):
+        if ident != id(x) or then != x._version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: the {name} of ring attention is at version {x._version}; "
+                f"expected version {then} instead. Do not modify it in place before backward "
+                f"(clone it first)")
+    return versions
+
+
+def cat_last(*xs):
+    """Tensors of one shape but the last dim, side by side (one all_to_all carries them)."""
+    return torch.cat(xs, -1)
+
+
+def split_last(x, sizes):
+    """The inverse of ``cat_last``: pieces of ``sizes`` along the last dim (contiguous)."""
+    return tuple(p.contiguous() for p in torch.split(x, list(sizes), -1))
