@@ -26,6 +26,8 @@ from ..tensor import DTensor, make_spec
 from ..placement import Replicate
 from . import generic
 from .infer import Outputs, describe, rebuild, to_meta, to_zeros
+from .registry import COMPOSED as _COMPOSED
+from .registry import NOT_COMPOSED
 from .registry import PREP as _PREP
 from .registry import OpCall, TArg, as_decision, display_name, lookup, prep_call
 
@@ -153,6 +155,10 @@ def _fast_binary(func, args):
 
 
 def _dispatch(func, args, kwargs=None):
+    if func in _COMPOSED:  # a loss on sharded inputs: re-expressed as other DTensor ops
+        out = _COMPOSED[func](func, args, kwargs or {})
+        if out is not NOT_COMPOSED:
+            return out
     if func in _PREP:  # index/size values given as tensors (tensor_split's indices) -> ints
         args, kwargs = prep_call(func, args, kwargs)
     key = [func]

@@ -131,6 +131,23 @@ def _register(funcs, family, inplace, meta, arg_names, fn, prep=None) -> None:
                 PREP[f] = prep
 
 
+COMPOSED: dict[Any, Callable] = {}  # callable -> compose(func, args, kwargs)
+NOT_COMPOSED = object()
+
+
+def composed(*funcs):
+    """Register the decorated ``compose(func, args, kwargs)`` for ``funcs``: dispatch calls it
+    first, and it either re-expresses the call as other DTensor ops (planned, counted and
+    differentiable through them: ``F.cross_entropy`` on a sharded batch is a ``sum`` over the
+    ranks divided by a reduced count) or returns ``NOT_COMPOSED`` for the plain path."""
+    def deco(fn):
+        for spec in funcs:
+            for f, _ in _resolve(spec):
+                COMPOSED[f] = fn
+        return fn
+    return deco
+
+
 def prep_call(func, args: tuple, kwargs: dict | None):
     """``(args, kwargs)`` of a call after the ``prep`` registered for ``func`` (unchanged when
     there is none); dispatch runs it before anything else."""
