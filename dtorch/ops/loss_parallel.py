@@ -24,12 +24,14 @@ nothing). Example::
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import PlacementError
 from ..layout import local_offset
 from ..placement import Partial, Replicate, Shard
 from ..runtime.messages import Coord
 from .explain import code_placements, with_dim
+from .losses import dispatch_op, reduce_loss, target_weights
 from .registry import Decision, rule
 
 R = Replicate()
@@ -133,8 +135,6 @@ def _classes_reduced(x, dims):
 
 def cross_entropy(bound: dict, reduction: str):
     """``F.cross_entropy`` of the bound call, its classes sharded (see module doc)."""
-    from .losses import dispatch_op, reduce_loss, target_weights
-    import torch.nn.functional as F
     _check(bound)
     x, t, w = bound["input"], bound["target"], bound["weight"]
     ignore, eps = bound["ignore_index"], float(bound["label_smoothing"])

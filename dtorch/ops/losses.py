@@ -83,11 +83,15 @@ def target_dim(d: int, ndim: int) -> int:
 
 
 # reduction="none": the placement rules --------------------------------------------------------
+def _param(op, name: str, default=None):
+    """The argument of parameter ``name`` (by torch's signature), positional or keyword."""
+    names = params(op.func)
+    return op.arg(names.index(name), name, default) if name in names else default
+
+
 def _is_none(op) -> bool:
-    legacy = any(op.arg(params(op.func).index(k), k) is not None for k in _LEGACY
-                 if k in params(op.func))
-    return not legacy and op.arg(params(op.func).index("reduction"), "reduction",
-                                 "mean") == "none"
+    legacy = any(_param(op, k) is not None for k in _LEGACY)
+    return not legacy and _param(op, "reduction", "mean") == "none"
 
 
 def _reduced_only_replicate(op) -> None:
@@ -99,18 +103,16 @@ def _reduced_only_replicate(op) -> None:
 
 
 def _tensor_operands(op) -> list:
+    """``[(position or keyword, TArg)]`` of the tensor parameters (input, target, weight,
+    pos_weight) the call passed as DTensors."""
     out = []
     for pos, name in enumerate(params(op.func)):
-        if name not in _TENSOR_PARAMS:
-            continue
-        value = op.kwargs[name] if name in op.kwargs else (
-            op.args[pos] if pos < len(op.args) else None)
-        if type(value) is TArg:
+        value = _param(op, name)
+        if name in _TENSOR_PARAMS and type(value) is TArg:
             out.append((name if name in op.kwargs else pos, value))
     return out
 
 
-@rule(*POINTWISE, family="loss", arg_names=("input", "target"))
 def pointwise_loss_rule(op):
     """``mse_loss(x, y, reduction="none")`` and kin: elementwise with broadcasting (a
     Replicate weight beside a Shard input is narrowed locally); no Partial input."""
@@ -120,14 +122,11 @@ def pointwise_loss_rule(op):
 
 def _class_target(op):
     """``(input, target, weight, probabilities?)`` of a nll_loss / cross_entropy call."""
-    names = params(op.func)
-    x, t = op.tensors[0], op.arg(1, "target")
-    w = op.arg(names.index("weight"), "weight")
+    x, t, w = op.tensors[0], _param(op, "target"), _param(op, "weight")
     probabilities = type(t) is TArg and t.dtype.is_floating_point
     return x, t, w if type(w) is TArg else None, probabilities
 
 
-@rule(*CLASS, family="loss", arg_names=("input", "target", "weight"))
 def class_loss_rule(op):
     """``cross_entropy(x, t, reduction="none")`` / ``nll_loss``: input ``(N, C, d1, ...)``,
     target ``(N, d1, ...)`` (class indices) or like the input (probabilities). Per mesh dim,
@@ -172,6 +171,12 @@ def _class_dim_placement(op, x, t, w, probabilities, m):
         op.fail(m, CLASS_LEGAL, {x: with_dim(x.placements, m, Shard(want))},
                 "the input and the target must hold the same samples")
     return Shard(target_dim(px.dim, x.ndim))
+
+
+for _f in POINTWISE:
+    rule(_f, family="loss", arg_names=params(_f))(pointwise_loss_rule)
+for _f in CLASS:
+    rule(_f, family="loss", arg_names=params(_f))(class_loss_rule)
 
 
 def target_weights(target, weight, ignore_index: int, dtype):
