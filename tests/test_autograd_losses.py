@@ -174,6 +174,31 @@ def test_all_replicate_loss_runs_on_every_rank(live):
     torch.testing.assert_close(dx.grad.to_torch(), xr.grad)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: torch.nn.MSELoss(), lambda: torch.nn.HuberLoss(delta=0.5),
+    lambda: torch.nn.KLDivLoss(reduction="batchmean"), lambda: torch.nn.CrossEntropyLoss(
+        label_smoothing=0.1)], ids=["MSELoss", "HuberLoss", "KLDivLoss", "CrossEntropyLoss"])
+def test_torch_loss_modules_on_even_shards(live, make):
+    """torch.nn's loss modules call F.*; on even shards a mean is Partial('avg')."""
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("dp",))
+    x = _float(8, 5)
+    y = torch.randint(0, 5, (8,)) if isinstance(make(), torch.nn.CrossEntropyLoss) else \
+        _float(8, 5, seed=1, fn=lambda t: t.softmax(-1))
+    xr = x.clone().requires_grad_()
+    want = make()(xr, y)
+    want.backward()
+    dx = dtorch.tensor(x, device_mesh=mesh, placements=S0, requires_grad=True)
+    dy = dtorch.tensor(y, device_mesh=mesh, placements=S0)
+    dtorch.synchronize()
+    loss, counts = counted(lambda: make()(dx, dy))
+    assert counts == ({"all_reduce": 1} if y.dtype == torch.int64 else {})
+    torch.testing.assert_close(loss.to_torch(), want.detach())
+    dtorch.synchronize()
+    _, counts = counted(lambda: loss.backward())
+    assert counts == {}
+    torch.testing.assert_close(dx.grad.to_torch(), xr.grad)
+
+
 def test_legacy_reduction_arguments_are_honoured(live):
     mesh = init_device_mesh("cpu", 4, mesh_dim_names=("dp",))
     x, y, t = _float(N, 5), _float(N, 5, seed=1), _targets(N, 5)
