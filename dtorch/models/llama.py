@@ -294,11 +294,12 @@ class LlamaForCausalLM(nn.Module):
 
 
 def causal_lm_loss(logits, shifted_labels):
-    """transformers' ``ForCausalLMLoss`` on DTensors: float logits flattened to
-    ``[tokens, vocab]``, ``F.cross_entropy`` with -100 ignored, the mean over the labelled
-    tokens (loss parallel where the vocabulary is sharded)."""
-    vocab = logits.shape[-1]
-    return F.cross_entropy(logits.float().view(-1, vocab), shifted_labels.view(-1),
+    """transformers' ``ForCausalLMLoss`` on DTensors: ``F.cross_entropy`` of the float logits
+    with -100 ignored, the mean over the labelled tokens (loss parallel where the vocabulary
+    is sharded). transformers flattens to ``[tokens, vocab]``; here the logits are
+    ``[batch, vocab, seq]`` (torch's ``(N, C, d1)`` form: the same mean), so a batch on dp and
+    a sequence on a cp dim stay sharded as they are."""
+    return F.cross_entropy(logits.float().transpose(1, 2), shifted_labels,
                            ignore_index=IGNORE_INDEX)
 
 
