@@ -418,6 +418,25 @@ def test_llama_labels_loss_and_gradients_match_transformers(live, hf_llama, shap
         assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), name
 
 
+@pytest.mark.parametrize("shape, names", LLAMA_MESHES[:2], ids=["tp", "dpxtp"])
+def test_llama_labels_loss_adds_no_backward_collective(live, hf_llama, shape, names):
+    """The backward of model(ids, labels=...).loss runs exactly the collectives of the
+    backward of an elementwise loss of the gathered logits (the parameters' own): the loss
+    parallel backward communicates nothing, nor does the mean over dp."""
+    hf, ids, labels, _, _, _ = hf_llama
+    model, _ = _llama(hf, shape, names)
+    plain = (model(ids).logits.tanh() ** 2).mean()
+    dtorch.synchronize()
+    with dtorch.CommDebugMode() as reference:
+        _, _ = counted(lambda: plain.backward())
+    model.zero_grad()
+    loss = model(ids, labels=labels).loss
+    dtorch.synchronize()
+    with dtorch.CommDebugMode() as mode:
+        _, _ = counted(lambda: loss.backward())
+    assert _by_dim(mode.get_comm_records()) == _by_dim(reference.get_comm_records())
+
+
 @pytest.mark.parametrize("shape, names", [((4,), ("ring_cp",)), ((2, 2), ("tp", "ring_cp"))],
                          ids=["ring_cp", "tpxring_cp"])
 def test_llama_labels_loss_on_ring_meshes(live, hf_llama, shape, names):
