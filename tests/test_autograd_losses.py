@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import dtorch
 import dtorch.nn.functional as DF
-from dtorch import Replicate, Shard, init_device_mesh
+from dtorch import Partial, Replicate, Shard, init_device_mesh
 from dtorch.errors import MixedTensorError
 from dtorch.runtime import session
 from ledgers import counted
@@ -331,7 +331,9 @@ def test_bad_loss_inputs_are_refused_before_anything_is_sent(live):
             "class-index targets")
     refused(lambda: F.nll_loss(logits, t_rep), dtorch.PlacementError, "loss parallel")
     usable = F.cross_entropy(x, t_s0)
+    assert usable.placements == (Partial("sum"),)
     torch.testing.assert_close(usable.to_torch(), F.cross_entropy(_float(N, 5), t))
+    assert usable.item() == pytest.approx(F.cross_entropy(_float(N, 5), t).item())
 
 
 # LlamaForCausalLM(labels=...) ---------------------------------------------------------------
@@ -428,12 +430,12 @@ def test_llama_labels_loss_adds_no_backward_collective(live, hf_llama, shape, na
     plain = (model(ids).logits.tanh() ** 2).mean()
     dtorch.synchronize()
     with dtorch.CommDebugMode() as reference:
-        _, _ = counted(lambda: plain.backward())
+        counted(lambda: plain.backward())
     model.zero_grad()
     loss = model(ids, labels=labels).loss
     dtorch.synchronize()
     with dtorch.CommDebugMode() as mode:
-        _, _ = counted(lambda: loss.backward())
+        counted(lambda: loss.backward())
     assert _by_dim(mode.get_comm_records()) == _by_dim(reference.get_comm_records())
 
 
