@@ -16,6 +16,11 @@ synchronized start until every rank has finished.
 - dtorch: issue the ops on the controller, then ``dtorch.synchronize()`` (every rank ran
   everything), from a synchronized start, timed on the controller.
 
+Autograd rows (information only): the same chain with its input requiring grad (the
+controller records one node per op; the ranks keep each op's local graph), and the backward
+through those 500 nodes (``chain(x).sum().backward()``, no collective on either side), each
+beside PyTorch DTensor doing the same and, controller only, beside plain torch.
+
 Rows labelled *controller only* time what dtorch's controller thread spends (issuing the ops
 and shipping the batch, pickling included), which is what a notebook cell waits for before it
 can go on; they have no target, and their reference is the same ops in plain torch in one
@@ -81,10 +86,20 @@ def _rank_main(rank: int, commands, results) -> None:
     def replicate(t):
         return t.redistribute(mesh, [Replicate()]).to_local() + 0  # waits for the all_reduce
 
-    work = {"chain": (lambda: chain(x), 1), "mlp": (lambda: mlp(xin, w1, w2, replicate), MLP_N)}
-    for fn, _ in work.values():
+    xg = x.detach().requires_grad_(True)
+
+    def backward():
+        xg.grad = None
+        loss = chain(xg).to_local().sum()  # local: no collective, as dtorch's Partial seed
+        return barrier_timed(loss.backward, 1)
+
+    work = {"chain": lambda: barrier_timed(lambda: chain(x), 1),
+            "mlp": lambda: barrier_timed(lambda: mlp(xin, w1, w2, replicate), MLP_N),
+            "chain_grad": lambda: barrier_timed(lambda: chain(xg), 1),
+            "backward": backward}
+    for fn in work.values():
         fn()  # warm-up
-    serve_timings(rank, commands, results, lambda cmd: barrier_timed(*work[cmd[0]]))
+    serve_timings(rank, commands, results, lambda cmd: work[cmd[0]]())
 
 
 def plain_torch(repeats: int) -> dict:
@@ -92,7 +107,9 @@ def plain_torch(repeats: int) -> dict:
     one rank's shard, the MLP on the global weights)."""
     x0, xin, w1, w2 = values()
     x = x0[:CHAIN_SHAPE[0] // WORLD]
-    work = {"chain": lambda: chain(x), "mlp": lambda: mlp(xin, w1, w2, lambda t: t)}
+    xg = x.clone().requires_grad_(True)
+    work = {"chain": lambda: chain(x), "mlp": lambda: mlp(xin, w1, w2, lambda t: t),
+            "chain_grad": lambda: chain(xg)}
     out = {}
     for name, fn in work.items():
         fn()
@@ -102,6 +119,14 @@ def plain_torch(repeats: int) -> dict:
             fn()
             runs.append(time.perf_counter() - t0)
         out[name] = summarize(runs)
+    runs = []
+    for _ in range(repeats + 1):
+        xg.grad = None
+        loss = chain(xg).sum()
+        t0 = time.perf_counter()
+        loss.backward()
+        runs.append(time.perf_counter() - t0)
+    out["backward"] = summarize(runs[1:])
     return out
 
 
@@ -139,13 +164,38 @@ def measure(repeats: int) -> dict:
             t2 = time.perf_counter()
             return {name: (t2 - t0) / n, name + "_ctrl": (t1 - t0) / n}
 
+        xg = x.detach().requires_grad_(True)
+
+        def timed_backward():
+            """Backward through the 500 nodes of ``chain(xg).sum()`` (built untimed)."""
+            xg.grad = None
+            loss = chain(xg).sum()
+            dtorch.synchronize()
+            t0 = time.perf_counter()
+            loss.backward()
+            c.flush()
+            t1 = time.perf_counter()
+            dtorch.synchronize()
+            t2 = time.perf_counter()
+            return {"backward": t2 - t0, "backward_ctrl": t1 - t0}
+
         work = {"chain": (lambda: chain(x), 1),
-                "mlp": (lambda: mlp(xin, w1, w2, replicate), MLP_N)}
+                "mlp": (lambda: mlp(xin, w1, w2, replicate), MLP_N),
+                "chain_grad": (lambda: chain(xg), 1)}
         for name, (fn, n) in work.items():  # warm-up: fills the signature cache
             timed(name, fn, 1)
+        timed_backward()
         got = take_turns(repeats, lambda: {"ref_chain": ref.ask("chain")},
                          lambda: timed("chain", *work["chain"]),
-                         lambda: {"ref_mlp": ref.ask("mlp")}, lambda: timed("mlp", *work["mlp"]))
+                         lambda: {"ref_mlp": ref.ask("mlp")}, lambda: timed("mlp", *work["mlp"]),
+                         lambda: {"ref_chain_grad": ref.ask("chain_grad")},
+                         lambda: timed("chain_grad", *work["chain_grad"]),
+                         lambda: {"ref_backward": ref.ask("backward")}, timed_backward)
+        loss = chain(xg).sum()
+        xg.grad = None
+        loss.backward()
+        want = torch.full(CHAIN_SHAPE, 1.0001 ** (CHAIN_OPS // 2))
+        assert torch.allclose(xg.grad.to_torch(), want), "the chain's gradient"
         want = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(
             values()[1], values()[2])), values()[3])
         assert torch.allclose(mlp(xin, w1, w2, replicate).to_torch(), want, atol=1e-4)
@@ -172,6 +222,23 @@ def run(quick: bool = False) -> list[Row]:
         Row.timed("controller only: MLP forward", got["mlp_ctrl"], plain["mlp"], None,
                   "dtorch's controller per forward vs the forward in plain torch in one "
                   "process; not a whole-job comparison"),
+        Row.timed(f"chain of {CHAIN_OPS} ops recording the graph, end to end",
+                  got["chain_grad"], got["ref_chain_grad"], None,
+                  f"info: input requires grad; {got['chain_grad'].median / CHAIN_OPS * 1e6:.1f}"
+                  f" us/op (forward only: {got['chain'].median / CHAIN_OPS * 1e6:.1f}) vs "
+                  f"PyTorch DTensor {got['ref_chain_grad'].median / CHAIN_OPS * 1e6:.1f} us/op"),
+        Row.timed("controller only: cost per op recording the graph (chain)",
+                  per_op(got["chain_grad_ctrl"]), per_op(plain["chain_grad"]), None,
+                  f"forward only: {got['chain_ctrl'].median / CHAIN_OPS * 1e6:.1f} us/op; "
+                  "reference: the op recording torch's graph in one process"),
+        Row.timed(f"backward through {CHAIN_OPS} nodes, end to end", got["backward"],
+                  got["ref_backward"], None,
+                  f"info: {got['backward'].median / CHAIN_OPS * 1e6:.1f} us/node vs PyTorch "
+                  f"DTensor {got['ref_backward'].median / CHAIN_OPS * 1e6:.1f} us/node"),
+        Row.timed("controller only: cost per backward node (chain)",
+                  per_op(got["backward_ctrl"]), per_op(plain["backward"]), None,
+                  "dtorch's controller walking the graph and issuing one Backward per node vs "
+                  "torch's backward per node in one process"),
     ]
 
 

@@ -39,7 +39,7 @@ def __getattr__(name: str):
     """``dtorch.relu``, ``dtorch.matmul``, ...: torch functions with a placement rule."""
     if name.startswith("__"):
         raise AttributeError(f"module 'dtorch' has no attribute {name!r}")
-    if name in ("nn", "ops"):
+    if name in ("nn", "ops", "random"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     from .ops.exports import missing, routed

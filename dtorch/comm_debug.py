@@ -33,6 +33,7 @@ class CommRecord(NamedTuple):
     bytes_per_rank: int
     reduce_op: str | None = None
     phase: str = "forward"  # "backward" for the collectives a backward pass ran
+    gradient_of: str | None = None  # the parameter whose gradient it reduced (backward)
 
     @property
     def total_bytes(self) -> int:
@@ -72,8 +73,58 @@ class CommLedger:
         return [(k, d, c, b) for (k, d), (c, b) in rows.items()]
 
 
+class CommRow(NamedTuple):
+    """One row of a collectives table: records of one label and mesh dim, summed."""
+
+    label: str  # the kind, marked when backward ran it: ``kind_label``
+    dim: str  # ``dim_name``
+    count: int
+    bytes_per_rank: int
+    total_bytes: int
+    gradients: tuple[str, ...]  # the parameters whose gradients these reduced, in order
+
+
+def dim_name(rec: CommRecord) -> str:
+    """The mesh dim a record ran along, by name when known, ``-`` for none."""
+    if rec.mesh_dim_name is not None:
+        return str(rec.mesh_dim_name)
+    return "-" if rec.mesh_dim is None or rec.mesh_dim < 0 else str(rec.mesh_dim)
+
+
+def group_records(records) -> list[CommRow]:
+    """Records grouped by (``kind_label``, ``dim_name``) in order of first appearance: what
+    the kernel's per-cell summary and the widgets' tables show.
+
+    >>> r = CommRecord("all_reduce", 0, "dp", ((0, 1),), 8, "sum", "backward", "fc.weight")
+    >>> group_records([r, r._replace(gradient_of="fc.bias")])
+    [CommRow(label='all_reduce (backward)', dim='dp', count=2, bytes_per_rank=16, total_bytes=32, gradients=('fc.weight', 'fc.bias'))]
+    """
+    rows: dict[tuple[str, str], list] = {}
+    for rec in records:
+        row = rows.setdefault((kind_label(rec), dim_name(rec)), [0, 0, 0, []])
+        row[0] += 1
+        row[1] += rec.bytes_per_rank
+        row[2] += rec.total_bytes
+        name = getattr(rec, "gradient_of", None)
+        if name is not None and name not in row[3]:
+            row[3].append(name)
+    return [CommRow(k, d, c, b, tb, tuple(g)) for (k, d), (c, b, tb, g) in rows.items()]
+
+
+def gradients_text(names, limit: int = 3) -> str:
+    """``names`` shortened for a table cell.
+
+    >>> gradients_text(["a.weight", "a.bias", "b.weight", "b.bias"])
+    'a.weight, a.bias, b.weight (+1 more)'
+    """
+    names = list(names)
+    text = ", ".join(names[:limit])
+    return text + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
 _listeners: list[CommLedger] = []
 _phase = ["forward"]
+_gradient_of: list = [None]
 
 
 @contextmanager
@@ -84,6 +135,17 @@ def phase(name: str):
         yield
     finally:
         _phase.pop()
+
+
+@contextmanager
+def gradient_of(name: str | None):
+    """Records made inside name the parameter whose gradient they reduce (the engine, while it
+    brings a leaf's gradient to the leaf's placements)."""
+    _gradient_of.append(name)
+    try:
+        yield
+    finally:
+        _gradient_of.pop()
 
 
 def kind_label(rec: CommRecord) -> str:
@@ -111,7 +173,7 @@ def record_steps(steps: Iterable) -> None:
         if s.kind in COMM_KINDS:
             op = s.src.reduce_op if s.kind in ("all_reduce", "reduce_scatter") else None
             record(CommRecord(s.kind, s.mesh_dim, s.mesh_dim_name, s.groups, s.bytes_per_rank, op,
-                              _phase[-1]))
+                              _phase[-1], _gradient_of[-1]))
 
 
 def listen(ledger: CommLedger) -> None:
@@ -135,3 +197,21 @@ class CommDebugMode(CommLedger):
 
     def get_comm_records(self) -> list[CommRecord]:
         return list(self.records)
+
+    def get_gradient_comm_counts(self) -> dict[str, dict[str, int]]:
+        """``{parameter name: {kind: count}}`` for the collectives a backward ran to bring
+        parameters' gradients to their placements (DP's all_reduce, FSDP's reduce_scatter).
+        A parameter is named as in ``model.named_parameters()`` of the outermost module that
+        ran it; leaves outside a module are not listed.
+
+        >>> m = CommDebugMode()
+        >>> m.add(CommRecord("all_reduce", 0, "dp", ((0, 1),), 8, "sum", "backward", "fc.bias"))
+        >>> m.get_gradient_comm_counts()
+        {'fc.bias': {'all_reduce': 1}}
+        """
+        out: dict = {}
+        for r in self.records:
+            if r.phase == "backward" and r.gradient_of is not None:
+                kinds = out.setdefault(r.gradient_of, {})
+                kinds[r.kind] = kinds.get(r.kind, 0) + 1
+        return out

@@ -54,7 +54,7 @@ def make_spec(shape, dtype, mesh, placements) -> TensorSpec:
 class DTensor:
     """A distributed tensor: ``dtorch.Tensor(torch_tensor, device_mesh=, placements=)``."""
 
-    __slots__ = ("_spec", "_tid", "_controller", "_ag", "__weakref__")
+    __slots__ = ("_spec", "_tid", "_controller", "_ag", "_version", "__weakref__")
 
     def __init__(self, data, device_mesh: DeviceMesh | None = None, placements=None,
                  requires_grad: bool = False):
@@ -66,6 +66,7 @@ class DTensor:
     def _adopt(self, other: "DTensor") -> None:
         self._spec, self._tid, self._controller = other._spec, other._tid, other._controller
         self._ag = other._ag
+        self._version = other._version
         other._tid = None
         other._controller = None
 
@@ -74,6 +75,7 @@ class DTensor:
         obj = cls.__new__(cls)
         obj._spec, obj._tid, obj._controller = spec, tid, controller
         obj._ag = None  # autograd state (dtorch.autograd.node.AutogradMeta) once it needs one
+        obj._version = None  # in-place counter, once a node saved it (autograd/versions.py)
         controller.live_tensors += 1
         return obj
 

@@ -10,8 +10,8 @@ form is what ``text/plain`` frontends and saved notebooks show. Example::
     >>> recs = [CommRecord("all_reduce", 1, "tp", ((0, 1), (2, 3)), 64, "sum")] * 2
     >>> summary_text(recs + [CommRecord("all_to_all", 0, "dp", ((0, 2), (1, 3)), 2048)])
     'dtorch: 3 collectives: all_reduce x2 (dim tp, 128 B/rank); all_to_all x1 (dim dp, 2.0 KiB/rank)'
-    >>> summary_text([CommRecord("all_reduce", 0, "dp", g, 64, "sum", "backward")])
-    'dtorch: all_reduce (backward) x1 (dim dp, 64 B/rank)'
+    >>> summary_text([CommRecord("all_reduce", 0, "dp", g, 64, "sum", "backward", "fc.weight")])
+    'dtorch: all_reduce (backward) x1 (dim dp, 64 B/rank; for fc.weight)'
     >>> summary_text([])
     ''
 """
@@ -36,32 +36,31 @@ def fmt_bytes(n: int) -> str:
 
 def dim_text(rec) -> str:
     """``dim tp`` for a named mesh dim, ``dim 0`` otherwise (``-`` when none)."""
-    if rec.mesh_dim_name is not None:
-        return f"dim {rec.mesh_dim_name}"
-    if rec.mesh_dim is None or rec.mesh_dim < 0:
-        return "-"
-    return f"dim {rec.mesh_dim}"
+    from dtorch.comm_debug import dim_name
+    name = dim_name(rec)
+    return name if name == "-" else f"dim {name}"
 
 
 def rows(records) -> list[tuple[str, str, int, int]]:
     """``(kind, dim text, count, bytes per rank)`` per kind and mesh dim; a backward's
     collectives are rows of their own (``all_reduce (backward)``)."""
-    from dtorch.comm_debug import kind_label
-    out: dict[tuple[str, str], list[int]] = {}
-    for rec in records:
-        row = out.setdefault((kind_label(rec), dim_text(rec)), [0, 0])
-        row[0] += 1
-        row[1] += rec.bytes_per_rank
-    return [(k, d, c, b) for (k, d), (c, b) in out.items()]
+    from dtorch.comm_debug import group_records
+    return [(r.label, "-" if r.dim == "-" else f"dim {r.dim}", r.count, r.bytes_per_rank)
+            for r in group_records(records)]
 
 
 def summary_text(records) -> str:
-    """One line naming each collective kind, its count, mesh dim and bytes per rank."""
+    """One line naming each collective kind, its count, mesh dim and bytes per rank, and the
+    parameters whose gradients a backward's collectives reduced."""
+    from dtorch.comm_debug import gradients_text, group_records
     records = list(records)
     if not records:
         return ""
-    parts = [f"{kind} x{count} ({dim}, {fmt_bytes(nbytes)}/rank)"
-             for kind, dim, count, nbytes in rows(records)]
+    parts = []
+    for r in group_records(records):
+        dim = "-" if r.dim == "-" else f"dim {r.dim}"
+        grads = f"; for {gradients_text(r.gradients)}" if r.gradients else ""
+        parts.append(f"{r.label} x{r.count} ({dim}, {fmt_bytes(r.bytes_per_rank)}/rank{grads})")
     head = "dtorch: " if len(records) == 1 else f"dtorch: {len(records)} collectives: "
     return head + "; ".join(parts)
 

@@ -205,12 +205,53 @@ def test_inplace_on_a_leaf_that_requires_grad(mesh1d):
     usable(mesh1d)
 
 
-def test_inplace_on_a_saved_tensor_fails_at_backward_like_torch(mesh1d):
-    """torch raises at backward, through the version counter; so do the ranks, and the error
-    reaches the controller with torch's words and the cluster stays usable."""
+def _torch_inplace_message(modify) -> str:
+    """torch's own error for the same program on one device."""
+    x = torch.randn(8, requires_grad=True)
+    y = x.exp()
+    modify(y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+        y.sum().backward()
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("how", ["itself", "detached", "zero_"])
+def test_inplace_on_a_saved_tensor_is_refused_at_backward_on_the_controller(mesh1d, how):
+    """torch refuses at backward, through the version counter; the controller knows the same
+    from its plans (exp saved its output; an in-place op on it, or on a detached handle of
+    it, bumped its version) and refuses before anything is sent."""
+    modify = {"itself": lambda y: y.mul_(2),
+              "detached": lambda y: y.detach().add_(1),
+              "zero_": lambda y: y.detach().zero_()}[how]
+    assert "is at version 1; expected version 0 instead" in _torch_inplace_message(modify)
     x = dtorch.randn(8, device_mesh=mesh1d, placements=[Shard(0)], requires_grad=True)
     y = x.exp()          # ExpBackward saves its output
-    y.mul_(2)            # ... which this modifies
+    modify(y)
+    s = y.sum()
+    refused(lambda: s.backward(), match=r"modified by an inplace operation: \[DTensor "
+                                        r"torch.float32 \[8\]\], which is output 0 of "
+                                        r"ExpBackward0, is at version 1; expected version 0")
+    usable(mesh1d)
+
+
+def test_no_refusal_when_what_was_modified_was_not_saved(mesh1d):
+    """add saves neither input: modifying one afterwards is fine, as in torch."""
+    v = torch.randn(8)
+    x = dtorch.tensor(v, device_mesh=mesh1d, placements=[Shard(0)], requires_grad=True)
+    w = dtorch.ones(8, device_mesh=mesh1d, placements=[Shard(0)])
+    s = (x + w).sum()
+    w.add_(1)
+    s.backward()
+    torch.testing.assert_close(x.grad.to_torch(), torch.ones(8))
+
+
+def test_inplace_through_a_view_fails_at_backward_on_the_ranks_like_torch(mesh1d):
+    """Aliases made by view ops are not followed on the controller: torch's own version check
+    on the ranks refuses, its error reaches the controller at the next read, and the cluster
+    stays usable."""
+    x = dtorch.randn(8, device_mesh=mesh1d, placements=[Shard(0)], requires_grad=True)
+    y = x.exp()
+    y.detach().view(8).mul_(2)   # the same local memory as y, through a view
     y.sum().backward()
     with pytest.raises(dtorch.RemoteError, match="modified by an inplace operation"):
         x.grad.to_torch()
@@ -311,3 +352,22 @@ def test_leaf_and_retained_grads_accumulate_as_torchs_through_a_local_move(mesh1
     yt.sum().backward(retain_graph=True)
     yt.sum().backward()
     assert torch.equal(x.grad.to_torch(), xt.grad) and torch.equal(y.grad.to_torch(), yt.grad)
+
+
+def test_grad_to_an_intermediate_ignores_the_spent_graph_below_it(mesh1d):
+    """As torch: only the nodes a gradient goes through are checked, so ``grad(z, y)`` runs
+    after a backward freed the graph below ``y``."""
+    v = torch.randn(8)
+    x = dtorch.tensor(v, device_mesh=mesh1d, placements=[Shard(0)], requires_grad=True)
+    y = x.exp()
+    z = (y * y).sum()
+    y.sum().backward()  # frees exp's graph
+    refused(lambda: z.backward(), match="backward through the graph a second time")
+    gy, = dtorch.autograd.grad(z, y)
+    xt = v.clone().requires_grad_()
+    yt = xt.exp()
+    zt = (yt * yt).sum()
+    yt.sum().backward()
+    gyt, = torch.autograd.grad(zt, yt)
+    torch.testing.assert_close(gy.to_torch(), gyt)
+    assert gy.placements == (Shard(0),)

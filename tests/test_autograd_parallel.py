@@ -213,6 +213,43 @@ def test_no_sync_defers_the_dp_reduction_to_the_first_backward_outside(live):
     torch.testing.assert_close(lin.bias.grad.to_torch(), ref.bias.grad)
 
 
+class _FSDPLinear(dtorch.nn.Module):
+    """A Shard(0) weight gathered at use (all_gather forward, reduce_scatter back)."""
+
+    def __init__(self, weight, mesh):
+        super().__init__()
+        self.weight = dtorch.tensor(weight, device_mesh=mesh, placements=[Shard(0)])
+
+    def forward(self, x):
+        return F.linear(x, self.weight.redistribute(placements=[R]))
+
+
+def test_no_sync_defers_fsdps_reduce_scatter_too(live):
+    """Inside no_sync a gathered Shard(0) weight's gradient stays Partial (no reduce_scatter
+    per micro-batch); the first backward outside reduce_scatters once, for all of them."""
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("dp",))
+    w_ref = torch.randn(8, 4, requires_grad=True)
+    lin = _FSDPLinear(w_ref.detach(), mesh)
+    batches = [torch.randn(12, 4) for _ in range(3)]
+
+    def loss_of(x):
+        return (lin(dtorch.tensor(x, device_mesh=mesh, placements=[Shard(0)])) ** 2).mean()
+    with lin.no_sync():
+        for x in batches[:2]:
+            loss = loss_of(x)
+            counts, _ = run(lambda: loss.backward())
+            assert counts == {}
+            assert lin.weight.grad.placements == (Partial(),)
+    loss = loss_of(batches[2])
+    counts, records = run(lambda: loss.backward())
+    assert counts == {"reduce_scatter": 1}
+    assert [r.gradient_of for r in records] == ["weight"]
+    for x in batches:
+        (F.linear(x, w_ref) ** 2).mean().backward()
+    assert lin.weight.grad.placements == (Shard(0),)
+    torch.testing.assert_close(lin.weight.grad.to_torch(), w_ref.grad)
+
+
 def _qkv(n, hq, hk, length, e=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(n, h, length, e, generator=g, dtype=torch.float64)

@@ -339,10 +339,8 @@ def test_notebook_runs_in_jupyterlab(path, lab, browser, tmp_path):
     page.set_default_timeout(30_000)
     try:
         open_notebook(page, lab, path.name)
-        started = time.monotonic()
         menu(page, "Run", "Run All Cells")
         wait_for(lambda: finished(page, lab, path.name), 240, f"Run All of {path.name}", 0.5)
-        took = time.monotonic() - started
         cs = cells(page)
         check_page(cs, page.locator("body").text_content(), path.name)
         check_widgets(cs, save(page, lab, path.name, len(cs)), path.name)
@@ -351,7 +349,6 @@ def test_notebook_runs_in_jupyterlab(path, lab, browser, tmp_path):
         if path.name.startswith("02_"):
             check_collectives_notebook(cs)
         check_next_links(page, path.name)
-        assert took < 180, f"{path.name} took {took:.0f}s"
     except BaseException:
         report_failure(page, lab, tmp_path / f"{path.stem}.png")
         raise

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -254,22 +253,24 @@ c.issue(m.Call((), warnings.warn, ("careful up there",), {}, (0, 1, 2, 3)))
     assert "UserWarning: careful up there" in err
 
 
+STILL_SLEEPING = "all(s['running'] == 'Call(sleep)' for s in dtorch.rank_stats())"
+
+
 def test_interrupt_returns_promptly_and_the_cluster_stays_consistent(kernel):
     kernel.ok(SETUP)
     timer = threading.Timer(2.0, kernel.km.interrupt_kernel)
-    started = time.monotonic()
     timer.start()
     cell = kernel.run("""
 import time
 from dtorch.runtime import session, messages as m
 c = session.get_controller()
-c.issue(m.Call((), time.sleep, (6,), {}, (0, 1, 2, 3)))   # ranks busy for 6 s
+c.issue(m.Call((), time.sleep, (12,), {}, (0, 1, 2, 3)))   # ranks busy for 12 s
 dtorch.synchronize()
 """, timeout=60)
-    took = time.monotonic() - started
     timer.join()
     assert cell.status == "error" and cell.reply["ename"] == "KeyboardInterrupt"
-    assert took < 5.0, f"the interrupt took {took:.1f}s to return control"
+    # control came back while the ranks were still in the sleep (not after it)
+    assert kernel.ok(STILL_SLEEPING).result == "True", "the interrupt waited for the ranks"
     # the ranks survived the SIGINT jupyter sends to the kernel's process group, the stream
     # kept its order: the next cell queues behind the sleep and gets the right values
     after = kernel.ok("x.redistribute(placements=[Replicate()]).to_local(3)[3].tolist()")
@@ -283,18 +284,16 @@ def test_interrupt_during_the_end_of_cell_wait(kernel):
     interrupted. A later plain-Python cell does not wait for the ranks."""
     kernel.ok(SETUP + "import time\nfrom dtorch.runtime import session, messages as m")
     timer = threading.Timer(1.5, kernel.km.interrupt_kernel)
-    started = time.monotonic()
     timer.start()
     cell = kernel.run("c = session.get_controller()\n"
-                      "c.issue(m.Call((), time.sleep, (5,), {}, (0, 1, 2, 3)))",
+                      "c.issue(m.Call((), time.sleep, (12,), {}, (0, 1, 2, 3)))",
                       timeout=60)
-    took = time.monotonic() - started
     timer.join()
     assert cell.status == "error" and cell.reply["ename"] == "KeyboardInterrupt"
-    assert "background" in cell.reply["evalue"] and took < 4.5
-    started = time.monotonic()
+    assert "background" in cell.reply["evalue"]
     assert kernel.ok("2 + 2").result == "4"
-    assert time.monotonic() - started < 2.0, "a cell that ships nothing must not wait"
+    # neither the interrupted wait nor the plain-Python cell waited for the ranks' sleep
+    assert kernel.ok(STILL_SLEEPING).result == "True", "a cell that ships nothing waited"
     after = kernel.ok("x.redistribute(placements=[Replicate()]).to_local(1)[0].tolist()")
     assert after.result == "[0.0, 1.0, 2.0, 3.0]"
 

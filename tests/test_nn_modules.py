@@ -167,8 +167,9 @@ def test_norms_and_activations_match_torch(dp_tp):
         y, comms = counts(lambda: mod(dx))
         assert comms == {} and y.placements == (Shard(0), R)
         close(y, ref(x))
-    with pytest.raises(NotImplementedError, match="eval"):
-        nn.Dropout(0.3)(dx)  # training mode draws a random mask
+    dtorch.manual_seed(0)  # training mode: the counter-based stream's mask (test_dropout.py)
+    assert torch.equal(nn.Dropout(0.3)(dx).to_torch(),
+                       dtorch.random.dropout(x, 0.3, seed=0, counter=0))
     assert torch.equal(nn.Dropout(0.0)(dx).to_torch(), x)
 
 

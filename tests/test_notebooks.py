@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -88,9 +87,7 @@ def test_notebook_runs_clean(path, dtorch_kernelspec):
     assert nb.metadata["kernelspec"]["name"] == "dtorch"
     client = nbclient.NotebookClient(nb, kernel_name="dtorch", timeout=240, startup_timeout=120,
                                      resources={"metadata": {"path": str(path.parent)}})
-    started = time.monotonic()
     client.execute()  # raises CellExecutionError on the first failing cell (or assertion)
-    took = time.monotonic() - started
     code = [c for c in nb.cells if c.cell_type == "code"]
     errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, errors
@@ -105,7 +102,6 @@ def test_notebook_runs_clean(path, dtorch_kernelspec):
     assert len(ready) == 1
     # each notebook moves data somewhere, and the kernel said so under that cell
     assert any(summaries(c) for c in code)
-    assert took < 180, f"{path.name} took {took:.0f}s"
     if path.name.startswith("02_"):
         check_collectives_notebook(code)
 

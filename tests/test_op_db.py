@@ -70,6 +70,13 @@ def full_name(op) -> str:
     return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
 
 
+def random_sample(op, sample) -> bool:
+    """A sample whose result is a random draw though its op's are not in general: attention
+    with ``dropout_p > 0`` (dtorch's mask is its own stream's, not torch's)."""
+    return (full_name(op) == "nn.functional.scaled_dot_product_attention"
+            and sample.kwargs.get("dropout_p", 0.0) > 0)
+
+
 def is_compared(op) -> bool:
     return full_name(op) not in RANDOM and not op.has_nondeterministic_output
 
@@ -212,14 +219,14 @@ def _run_config(op, samples, mesh, config) -> Outcome:
             if parts is None:
                 continue
             got = call(op, parts)
-            pending.append((got, expected, _fetch(got)))
+            pending.append((got, expected, _fetch(got), not random_sample(op, sample)))
         except BaseException as exc:  # noqa: BLE001 - OpTimeout too: it is what we classify
             if isinstance(exc, KeyboardInterrupt):
                 raise
             outcomes.append(Outcome(classify(exc), first_line(exc), True))
     compare = is_compared(op)
-    for got, expected, futures in pending:
-        outcomes.append(_check(got, expected, futures, compare))
+    for got, expected, futures, drawn_alike in pending:
+        outcomes.append(_check(got, expected, futures, compare and drawn_alike))
     del pending, got  # frees this op's DTensors now, so a failed free is this op's error
     if any(o.category == "other-exception" for o in outcomes):
         gc.collect()  # a remote error's traceback holds the DTensors in a cycle
@@ -412,10 +419,8 @@ def test_timed_hands_pytest_timeouts_timer_back():
 
 def test_timed_ends_a_hung_call(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "OP_TIMEOUT_S", 0.2)
-    t0 = time.monotonic()
-    with pytest.raises(OpTimeout):
-        timed(time.sleep, 10)
-    assert time.monotonic() - t0 < 5
+    with pytest.raises(OpTimeout):  # a call that would not end for an hour
+        timed(time.sleep, 3600)
     assert signal.getitimer(signal.ITIMER_REAL)[0] > 0  # pytest-timeout's timer is armed again
 
 

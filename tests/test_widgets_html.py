@@ -130,10 +130,8 @@ def test_cap_html_fallback():
     assert cap_html("x" * (MAX_HTML_CHARS + 1), "short") == "short"
 
 
-def test_widgets_are_fast_to_build(mesh22):
-    import time
-    t = time.perf_counter()
-    for _ in range(20):
-        MeshView(mesh22, highlight_dim="dp")
-        ShardView((16, 16), mesh22, [Shard(0), Partial()])
-    assert time.perf_counter() - t < 2.0
+def test_widgets_build_again_and_again(mesh22):
+    views = [(MeshView(mesh22, highlight_dim="dp"), ShardView((16, 16), mesh22,
+                                                               [Shard(0), Partial()]))
+             for _ in range(20)]
+    assert len({v.html for _, v in views}) == 1  # the same picture every time

@@ -20,28 +20,22 @@ def records_of(source) -> list:
 
 def record_dim(rec) -> str:
     """The mesh dim a record ran along, by name when known, ``-`` for none."""
-    if rec.mesh_dim_name is not None:
-        return str(rec.mesh_dim_name)
-    return "-" if rec.mesh_dim is None or rec.mesh_dim < 0 else str(rec.mesh_dim)
+    from dtorch.comm_debug import dim_name
+    return dim_name(rec)
 
 
 def comm_rows(records) -> list[tuple[str, str, int, int, int]]:
     """``(kind, mesh dim, count, bytes per rank, total bytes)`` per kind and mesh dim, in
-    order of first appearance.
+    order of first appearance (a backward's collectives are rows of their own).
 
     >>> from dtorch.comm_debug import CommRecord
     >>> r = CommRecord("all_gather", 0, "dp", ((0, 1),), 16)
     >>> comm_rows([r, r])
     [('all_gather', 'dp', 2, 32, 64)]
     """
-    from dtorch.comm_debug import kind_label
-    rows: dict[tuple[str, str], list[int]] = {}
-    for rec in records:  # a backward's collectives are rows of their own
-        row = rows.setdefault((kind_label(rec), record_dim(rec)), [0, 0, 0])
-        row[0] += 1
-        row[1] += rec.bytes_per_rank
-        row[2] += rec.total_bytes
-    return [(k, d, c, b, tb) for (k, d), (c, b, tb) in rows.items()]
+    from dtorch.comm_debug import group_records
+    return [(r.label, r.dim, r.count, r.bytes_per_rank, r.total_bytes)
+            for r in group_records(records)]
 
 
 def kind_color(kind: str) -> str:
@@ -53,14 +47,19 @@ def kind_color(kind: str) -> str:
 
 def comm_table_html(records) -> str:
     """The counts-and-bytes table of ``comm_html`` (with a total row)."""
-    rows = comm_rows(records)
-    cells = [[S.chip(kind_color(k), k), escape(d), str(c), S.fmt_bytes(b), S.fmt_bytes(tb)]
-             for k, d, c, b, tb in rows[:S.MAX_TABLE_ROWS]]
+    from dtorch.comm_debug import gradients_text, group_records
+    rows = group_records(records)
+    grads = any(r.gradients for r in rows)  # the column shows once a backward reduced any
+    cells = [[S.chip(kind_color(r.label), r.label), escape(r.dim), str(r.count),
+              S.fmt_bytes(r.bytes_per_rank), S.fmt_bytes(r.total_bytes)]
+             + ([escape(gradients_text(r.gradients))] if grads else [])
+             for r in rows[:S.MAX_TABLE_ROWS]]
     cells.append(["<b>total</b>", "", f"<b>{len(records)}</b>",
                   S.fmt_bytes(sum(r.bytes_per_rank for r in records)),
-                  S.fmt_bytes(sum(r.total_bytes for r in records))])
-    return S.table(["collective", "mesh dim", "count", "bytes per rank", "bytes (all ranks)"],
-                   cells, total_rows=len(rows) + 1)
+                  S.fmt_bytes(sum(r.total_bytes for r in records))] + ([""] if grads else []))
+    head = ["collective", "mesh dim", "count", "bytes per rank", "bytes (all ranks)"]
+    return S.table(head + (["for the gradients of"] if grads else []), cells,
+                   total_rows=len(rows) + 1)
 
 
 def comm_timeline_svg(records) -> str:

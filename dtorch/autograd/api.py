@@ -70,7 +70,10 @@ def detach(x):
     c = x._live()
     tid = c.new_tid()
     c.issue(m.Call((tid,), _identity, (m.Ref(x._tid),), {}, x._spec.mesh.ranks))
-    return DTensor._wrap(x._spec, tid, c)
+    from .versions import counter
+    out = DTensor._wrap(x._spec, tid, c)
+    out._version = counter(x)  # the same local tensors: in place through either counts
+    return out
 
 
 def detach_(x):

@@ -21,7 +21,7 @@ import torch
 
 from .. import comm_debug
 from ..runtime import messages as m
-from . import cotangent
+from . import cotangent, versions
 from .node import AutogradMeta, Node
 from .redistribute import grad_target
 
@@ -112,6 +112,7 @@ def _check_not_released(nodes) -> None:
         if n.refusal is not None:
             from ..errors import UnsupportedOpError
             raise UnsupportedOpError(n.refusal)
+        versions.check(n)
 
 
 def _key_of(t):
@@ -177,8 +178,11 @@ class _Walk:
             grads = self._incoming(node)
             if not grads or (needed is not None and nid not in needed):
                 continue
-            in_grads = _op_backward(node, grads, self.retain) if node.keeps_graph else \
-                _redistribute_backward(node, grads)
+            if node.keeps_graph:
+                in_grads = _op_backward(node, grads, self.retain)
+            else:  # FSDP's reduce_scatter runs here when the input is a parameter
+                with comm_debug.gradient_of(_leaf_name(node)):
+                    in_grads = _redistribute_backward(node, grads)
             for edge, spec, g in zip(node.edges, node.in_specs, in_grads):
                 if edge.leaf is not None:
                     self.leaves.setdefault(id(edge.leaf), (edge.leaf, spec, []))[2].append(g)
@@ -223,15 +227,16 @@ class _Walk:
             if accumulate and not deferred and old is not None and \
                     old.placements != spec.placements:  # left Partial by no_sync: reduce now
                 grads, meta.grad = grads + [old], None
-            if deferred and len({g.placements for g in grads}) == 1:
-                g = combine(grads, None)
-            else:
-                g = combine(grads, spec.placements)
-            g = _run_hooks(meta, g)
-            if capture:
-                self.captured[meta] = g
-            if accumulate:
-                _accumulate(meta, g, id(g) in self.user_grads, deferred)
+            with comm_debug.gradient_of(meta.name):
+                if deferred and len({g.placements for g in grads}) == 1:
+                    g = combine(grads, None)
+                else:
+                    g = combine(grads, spec.placements)
+                g = _run_hooks(meta, g)
+                if capture:
+                    self.captured[meta] = g
+                if accumulate:
+                    _accumulate(meta, g, id(g) in self.user_grads, deferred)
 
 
 _deferred: list = []  # sets of AutogradMeta ids whose reduction Module.no_sync() defers
@@ -307,17 +312,43 @@ def _op_backward(node: Node, grads: dict, retain: bool) -> list:
             for s, tid in zip(node.in_specs, tids)]
 
 
+def _leaf_name(node: Node) -> str | None:
+    """The name of the parameter a redistribute node moved (None: not a named leaf)."""
+    edge = node.edges[0] if len(node.edges) == 1 else None
+    return edge.leaf.name if edge is not None and edge.leaf is not None else None
+
+
 def _redistribute_backward(node: Node, grads: dict) -> list:
-    """The gradient redistributed back to the input's mesh and placements."""
+    """The gradient redistributed back to the input's mesh and placements. When the input
+    is a parameter inside ``Module.no_sync()`` (or one that left it with an unreduced
+    gradient) and the move would only reduce a Partial, the gradient goes on unreduced: the
+    leaf reduces once, with what it accumulated (FSDP's no_sync: one reduce_scatter)."""
     mesh, placements = grad_target(node)
-    return [grads[0]._move(mesh, placements)]
+    g, leaf = grads[0], node.edges[0].leaf
+    if leaf is not None and g.device_mesh == mesh and _only_reduces(g.placements, placements) \
+            and (is_deferred(leaf) or (leaf.grad is not None and
+                                        leaf.grad.placements == g.placements)):
+        return [g]
+    return [g._move(mesh, placements)]
+
+
+def _only_reduces(src, dst) -> bool:
+    """Whether moving ``src`` to ``dst`` only reduces Partials (and moves nothing else)."""
+    from ..placement import Partial
+    return src != tuple(dst) and all(
+        a == b or isinstance(a, Partial) for a, b in zip(src, dst))
 
 
 # entry points -----------------------------------------------------------------------------------
-def _start(roots):
+def _start(roots, targets=None):
+    """``(nodes, needed)``: the nodes reachable from the roots and the ids of those the walk
+    runs (None: all), checked. Only the nodes a gradient goes through are checked, as in
+    torch: ``grad(z, y)`` runs even when the graph below ``y`` is spent or has a composite
+    without a backward."""
     nodes = _reachable([t._ag.grad_fn for t, _ in roots])
-    _check_not_released(nodes)
-    return nodes
+    needed = _needed(nodes, targets) if targets is not None else None
+    _check_not_released(nodes if needed is None else {i: nodes[i] for i in needed})
+    return nodes, needed
 
 
 def run_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
@@ -336,8 +367,7 @@ def run_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
             if not t.is_leaf:
                 raise RuntimeError("backward(inputs=...) takes leaves only in dtorch")
         targets = {t._ag for t in inputs}
-    nodes = _start(roots)
-    needed = _needed(nodes, targets) if targets is not None else None
+    nodes, needed = _start(roots, targets)
     walk = _Walk(roots, bool(retain_graph), None)
     with torch.no_grad(), comm_debug.phase("backward"):
         walk.seed()
@@ -359,8 +389,7 @@ def run_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph
             raise RuntimeError("One of the differentiated Tensors does not require grad")
     keys = [_key_of(t) for t in inputs]
     targets = set(keys)
-    nodes = _start(roots)
-    needed = _needed(nodes, targets)
+    nodes, needed = _start(roots, targets)
     for key in keys:
         if not allow_unused and not _is_root(key, roots) and not _feeds(key, nodes):
             raise RuntimeError("One of the differentiated Tensors appears to not have been used "

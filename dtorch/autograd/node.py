@@ -26,7 +26,7 @@ class AutogradMeta:
     """The autograd state of one DTensor handle."""
 
     __slots__ = ("requires_grad", "grad", "grad_fn", "output_nr", "retains_grad", "hooks",
-                 "__weakref__")
+                 "name", "__weakref__")
 
     def __init__(self, requires_grad: bool = True, grad_fn=None, output_nr: int = 0):
         self.requires_grad = requires_grad
@@ -35,6 +35,7 @@ class AutogradMeta:
         self.output_nr = output_nr
         self.retains_grad = False
         self.hooks: OrderedDict | None = None  # handle id -> fn(grad) -> grad or None
+        self.name: str | None = None  # a parameter's name in the module that last ran it
 
 
 class Edge(NamedTuple):
@@ -59,7 +60,7 @@ class Node:
     """A recorded op (or redistribute) on the controller; see the module doc."""
 
     __slots__ = ("id", "_name", "controller", "mesh", "in_specs", "out_specs", "edges",
-                 "out_metas", "released", "keeps_graph", "refusal", "__weakref__")
+                 "out_metas", "released", "keeps_graph", "refusal", "saved", "__weakref__")
 
     def __init__(self, node_id: int, name: str, controller, mesh, in_specs, out_specs, edges,
                  keeps_graph: bool, refusal: str | None = None):
@@ -70,6 +71,7 @@ class Node:
         self.released = False
         self.keeps_graph = keeps_graph
         self.refusal = refusal  # why backward cannot go through this node (None: it can)
+        self.saved: tuple = ()  # (version counter, version, description) per saved tensor
 
     def name(self) -> str:
         return self._name

@@ -21,17 +21,20 @@ import torch.utils._pytree as pytree
 from ..errors import UnsupportedOpError
 from ..placement import format_placements
 from ..runtime import messages as m
-from . import cotangent
+from . import cotangent, versions
 from .node import Node, edge_of, mark_output
 
 _CACHE_MAX = 20_000
 
 
 class GradInfo(NamedTuple):
-    """Per output whether it requires grad, and the node's name."""
+    """Per output whether it requires grad, the node's name, and which DTensor inputs (by
+    position) and outputs its backward saved (their in-place versions are checked)."""
 
     differentiable: tuple[bool, ...]
     name: str
+    saved_inputs: tuple[int, ...] = ()
+    saved_outputs: tuple[int, ...] = ()
 
 
 _info_cache: dict = {}
@@ -102,7 +105,10 @@ def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill,
         target = tensors[plan.inplace]
         c.issue(m.RecordedCall(node.id, (target._tid,), plan.fn, tuple(cargs), ckwargs or {},
                                plan.ranks, grad_tids, target._tid))
+        versions.bump(target)
         mark_output(target, node, 0)
+        node.saved = versions.expected(tensors, [target], info.saved_inputs,
+                                       info.saved_outputs, info.name)
         return target
     tids = tuple(c.new_tid() for _ in plan.out_specs)
     c.issue(m.RecordedCall(node.id, tids, plan.fn, tuple(cargs), ckwargs or {}, plan.ranks,
@@ -111,6 +117,9 @@ def record_call(c, func, plan, key, args, kwargs, tensors, cargs, ckwargs, fill,
     for i, (out, diff) in enumerate(zip(outs, info.differentiable)):
         if diff:
             mark_output(out, node, i)
+    if info.saved_inputs or info.saved_outputs:
+        node.saved = versions.expected(tensors, outs, info.saved_inputs, info.saved_outputs,
+                                       info.name)
     return outs[0] if outputs.kind == "one" else rebuild(outputs, outs)
 
 
@@ -148,16 +157,16 @@ def _eager(c, func, plan, cargs, ckwargs, tensors, name):
     mesh = tensors[0]._spec.mesh
     grad_inputs = _unique([t for t in tensors if requires(t)])
     node_id, flags = c.new_tid(), []
-    try:
+    try:  # until a Node owns the ranks' graph (its __del__ releases it), release it here
         result = generic.run_eager(c, plan.fn, cargs, ckwargs, mesh, _eager_wrap(mesh, c),
                                    node_id, tuple(t._tid for t in grad_inputs), flags)
+        outs = [v for v in pytree.tree_leaves(result) if isinstance(v, DTensor)]
+        node = Node(node_id, name.split(".")[-1] + "Backward", c, mesh,
+                    [t._spec for t in grad_inputs], [o._spec for o in outs],
+                    [edge_of(t) for t in grad_inputs], keeps_graph=True)
     except BaseException:
-        c.release_graph(node_id, mesh.ranks)  # the ranks kept the failure under the node
+        c.release_graph(node_id, mesh.ranks)  # the ranks kept the graph (or the failure)
         raise
-    outs = [v for v in pytree.tree_leaves(result) if isinstance(v, DTensor)]
-    node = Node(node_id, name.split(".")[-1] + "Backward", c, mesh,
-                [t._spec for t in grad_inputs], [o._spec for o in outs],
-                [edge_of(t) for t in grad_inputs], keeps_graph=True)
     for i, (out, flag) in enumerate(zip(outs, flags)):
         if flag:
             mark_output(out, node, i)
@@ -227,6 +236,7 @@ def infer_grad_info(func, plan, args, kwargs, mask) -> GradInfo:
     flags = iter(mask)
     inplace = plan.inplace
     position = [0]
+    metas: list = []  # per DTensor input, in order: the meta tensor it became
 
     def meta(a):
         if isinstance(a, DTensor):
@@ -236,6 +246,7 @@ def infer_grad_info(func, plan, args, kwargs, mask) -> GradInfo:
                 t.requires_grad_()
                 if index == inplace:
                     t = t.clone()
+            metas.append(t)
             return t
         if isinstance(a, torch.Tensor) and a.device.type != "meta":
             return a.to("meta")
@@ -245,13 +256,15 @@ def infer_grad_info(func, plan, args, kwargs, mask) -> GradInfo:
                         display_name(func).split(".")[-1].strip("_").capitalize() + "Backward")
     try:
         margs, mkwargs = pytree.tree_map(meta, (tuple(args), dict(kwargs)))
-        with torch.enable_grad():
-            result = func(*margs, **mkwargs)
+        result, packed = versions.saved_by(func, margs, mkwargs)
     except Exception:  # noqa: BLE001 - meta cannot run it: floating outputs require grad
         return fallback
     leaves = [r for r in pytree.tree_leaves(result) if isinstance(r, torch.Tensor)]
     if len(leaves) != len(plan.out_specs):
         return fallback
     names = [r.grad_fn.name() for r in leaves if r.grad_fn is not None]
+    inputs = tuple(i for i, t in enumerate(metas) if i != inplace and
+                   versions.is_saved(t, packed))
+    outs = tuple(i for i, r in enumerate(leaves) if versions.is_saved(r, packed))
     return GradInfo(tuple(bool(r.requires_grad) for r in leaves),
-                    names[0] if names else fallback.name)
+                    names[0] if names else fallback.name, inputs, outs)

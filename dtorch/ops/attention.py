@@ -12,7 +12,9 @@ mesh dim:
   (see :mod:`dtorch.ops.cp_attention`).
 
 ``attn_mask`` follows the output like a binary-op operand: sharded alike, or Replicate
-(narrowed locally), or broadcast. Dropout must be 0 (eval). Example::
+(narrowed locally), or broadcast. ``dropout_p > 0`` on DTensors runs through
+:mod:`dtorch.ops.dropout`: the mask over the attention weights, sharded like them, then
+:func:`dtorch.random.attention_with_mask` (ruled here). Example::
 
     >>> LEGAL.split(";")[0]
     'R, R, R -> R'
@@ -20,8 +22,7 @@ mesh dim:
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-
+from .. import random as stream
 from ..errors import UnsupportedOpError
 from ..layout import rank_block
 from ..placement import Replicate, Shard
@@ -86,34 +87,70 @@ def _check_groups(op, q, k, out):
 def sdpa_rule(op):
     q, k, v = op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value")
     cp = cp_attention.active(q, k, v) if type(q) is type(k) is type(v) is TArg else {}
-    if op.arg(4, "dropout_p", 0.0):
-        where = (f" (context parallelism on {', '.join(cp)} included)" if cp else "")
-        raise UnsupportedOpError(f"{op.name} with dropout_p > 0 is not supported on "
-                                 f"DTensors{where}: eval only; pass dropout_p=0.0")
+    if op.arg(4, "dropout_p", 0.0):  # DTensor inputs take dtorch.ops.dropout before rules
+        raise UnsupportedOpError(f"{op.name} with dropout_p > 0 needs query, key and value "
+                                 f"all DTensors; make them DTensors, or pass dropout_p=0.0")
+    if cp:
+        _check_ndims(op, q, k, v)
+        return cp_attention.cp_rule(op, q, k, v, op.arg(3, "attn_mask"), cp)
+    return _local_attention(op, q, k, v)
+
+
+@rule(stream.attention_with_mask, family="attention",
+      arg_names=("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                 "enable_gqa"))
+def attention_with_mask_rule(op):
+    """Attention with its dropout mask given (see dtorch.ops.dropout): the mask is sharded
+    like the attention weights, as a sharded ``attn_mask``."""
+    q, k, v = op.arg(0, "query"), op.arg(1, "key"), op.arg(2, "value")
+    cp = cp_attention.active(q, k, v)
+    if cp:
+        raise UnsupportedOpError(f"attention dropout under context parallelism ({', '.join(cp)}) "
+                                 f"is not supported; pass dropout_p=0.0")
+    return _local_attention(op, q, k, v)
+
+
+def _check_ndims(op, q, k, v) -> None:
     if q.ndim != k.ndim or q.ndim != v.ndim:
         op.fail(None, LEGAL, {}, "query, key and value must have the same number of dims")
-    if cp:
-        return cp_attention.cp_rule(op, q, k, v, op.arg(3, "attn_mask"), cp)
+
+
+def _local_attention(op, q, k, v):
+    """Batch and head sharding (see the module doc); masks Replicate (narrowed locally) or
+    sharded like the attention weights."""
+    _check_ndims(op, q, k, v)
     out = tuple(_qkv_dim(op, q, k, v, m) for m in range(op.mesh.ndim))
     _check_groups(op, q, k, out)
-    mask = op.arg(3, "attn_mask")
-    if type(mask) is not TArg:
+    narrow = {}
+    for where, mask in _masks(op):
+        narrow.update(_mask_narrowing(op, q, k, out, where, mask))
+    if not narrow:
         return out
+    cuts = tuple((w, narrow_table(t.shape, t.mesh, t.placements, target))
+                 for w, (t, target) in narrow.items())
+    return Decision((out,), sliced_call, (op.func, cuts, Coord(op.mesh), *op.args),
+                    dict(op.kwargs))
+
+
+def _masks(op) -> list:
+    """``[(where, TArg)]``: the ``attn_mask`` (position 3 or keyword) and ``dropout_mask``
+    (keyword only) given as DTensors."""
+    found = [("attn_mask" if "attn_mask" in op.kwargs else 3, op.arg(3, "attn_mask")),
+             ("dropout_mask", op.arg(None, "dropout_mask"))]
+    return [(w, t) for w, t in found if type(t) is TArg]
+
+
+def _mask_narrowing(op, q, k, out, where, mask) -> dict:
+    """The narrowing ``mask`` needs (``{where: (TArg, target placements)}``); raises unless it
+    is Replicate or sharded like the attention weights."""
     from ..tensor import TensorSpec
     shape = op.out.shapes[0][:-1] + (k.shape[-2],)
     scores = tuple(R if p.is_partial() else p for p in out)  # a Partial value: scores are R
     pseudo = TArg(-1, "attention scores", TensorSpec(shape, q.dtype, q.mesh, scores))
-    where = "attn_mask" if "attn_mask" in op.kwargs else 3
     placements, narrow = elementwise_placements(op, [(None, pseudo), (where, mask)], "none",
                                                 shape)
     if placements != scores:
         m = next(i for i, (a, b) in enumerate(zip(placements, scores)) if a != b)
         op.fail(m, LEGAL, {mask: with_dim(mask.placements, m, R)},
-                "attn_mask must be Replicate or sharded like the attention scores")
-    if not narrow:
-        return out
-    (w, (t, target)), = narrow.items()
-    return Decision((out,), sliced_call,
-                    (F.scaled_dot_product_attention,
-                     ((w, narrow_table(t.shape, t.mesh, t.placements, target)),),
-                     Coord(op.mesh), *op.args), dict(op.kwargs))
+                f"{mask.label} must be Replicate or sharded like the attention scores")
+    return narrow

@@ -26,8 +26,7 @@ from ..tensor import DTensor, make_spec
 from ..placement import Replicate
 from . import generic
 from .infer import Outputs, describe, rebuild, to_meta, to_zeros
-from .registry import COMPOSED as _COMPOSED
-from .registry import NOT_COMPOSED
+from .registry import DECOMPOSED as _DECOMPOSED
 from .registry import PREP as _PREP
 from .registry import OpCall, TArg, as_decision, display_name, lookup, prep_call
 
@@ -155,10 +154,10 @@ def _fast_binary(func, args):
 
 
 def _dispatch(func, args, kwargs=None):
-    if func in _COMPOSED:  # a loss on sharded inputs: re-expressed as other DTensor ops
-        out = _COMPOSED[func](func, args, kwargs or {})
-        if out is not NOT_COMPOSED:
-            return out
+    if func in _DECOMPOSED:  # runs as other DTensor ops (see registry.decomposed)
+        result = _DECOMPOSED[func](func, args, kwargs or {})
+        if result is not NotImplemented:
+            return result
     if func in _PREP:  # index/size values given as tensors (tensor_split's indices) -> ints
         args, kwargs = prep_call(func, args, kwargs)
     key = [func]
@@ -212,6 +211,8 @@ def _dispatch(func, args, kwargs=None):
     if plan.inplace is not None:
         target = tensors[plan.inplace]
         c.issue(_new_tuple(_Call, ((target._tid,), plan.fn, tuple(cargs), ckwargs, plan.ranks)))
+        if target._version is not None:  # a node saved it: its backward checks the version
+            target._version[0] += 1
         return target
     specs = plan.out_specs
     if len(specs) == 1:
@@ -222,6 +223,24 @@ def _dispatch(func, args, kwargs=None):
     tids = tuple(c.new_tid() for _ in specs)
     c.issue(_new_tuple(_Call, (tids, plan.fn, tuple(cargs), ckwargs, plan.ranks)))
     return rebuild(outputs, [_wrap(s, t, c) for s, t in zip(specs, tids)])
+
+
+def plan_of(func, args, kwargs=None) -> Plan:
+    """The plan a call would run, from the cache or planned now; nothing is issued, and it
+    raises what the call would raise (a rule's PlacementError). Example::
+
+        plan_of(torch.mul, (x, y)).out_specs[0].placements     # (Shard(0),)
+    """
+    args, kwargs = prep_call(func, tuple(args), kwargs or {})
+    kwargs = kwargs or {}
+    key, tensors = [func], []
+    for a in args:
+        _prep(a, key, tensors)
+    for k, v in kwargs.items():
+        key.append(k)
+        _prep(v, key, tensors)
+    key = tuple(key)
+    return _cache.get(key) or _plan(func, args, kwargs, tensors, key)
 
 
 _wrap = DTensor._wrap

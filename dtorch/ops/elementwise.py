@@ -1,7 +1,8 @@
 """Elementwise unary ops and activations: placements are kept.
 
 Shard and Replicate pass through; a Partial input is legal only where the op commutes with
-the pending reduction (``neg``, ``clone``, eval-mode ``dropout``; see
+the pending reduction (``neg``, ``clone``, eval-mode ``dropout``: training mode is
+:mod:`dtorch.ops.dropout`; see
 :mod:`dtorch.ops.partial`). Activations taking ``inplace=True`` mutate their input. Example::
 
     >>> import torch
@@ -76,11 +77,11 @@ rule(*ACTIVATIONS_INPLACE, family="activation", inplace=True, arg_names=("input"
 @rule("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
       "feature_alpha_dropout", family="activation", arg_names=("input", "p", "training"))
 def dropout_rule(op):
-    """Eval mode only: the identity (placements kept, Partial included)."""
-    training = op.arg(2, "training", op.entry.name.startswith("F."))
-    if training and op.arg(1, "p", 0.5) > 0:
-        raise UnsupportedOpError(
-            f"{op.name} in training mode is not supported on DTensors yet (its random mask "
-            f"would differ from single-device torch); call it with training=False (eval)")
+    """Eval mode: the identity (placements kept, Partial included). Calls on DTensors go to
+    :mod:`dtorch.ops.dropout` first, which draws the mask in training; none reaches here."""
+    from .dropout import DROPOUTS, draws_mask
+    if op.func in DROPOUTS and draws_mask(op.func, op.args, op.kwargs):
+        raise UnsupportedOpError(f"{op.name} in training mode reached the eval rule; it runs "
+                                 f"through dtorch.ops.dropout")
     return broadcast_rule(op, operands_of(op, ("input",)), "identity",
                           inplace=_inplace_flag(op))

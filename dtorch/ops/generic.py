@@ -43,9 +43,8 @@ _ALWAYS_RANDOM = [
     torch.Tensor.log_normal_, torch.Tensor.cauchy_, torch.svd_lowrank, torch.pca_lowrank,
     getattr(F, "fractional_max_pool2d_with_indices", None),
     getattr(F, "fractional_max_pool3d_with_indices", None)]
-_RANDOM_WHEN_TRAINING = {F.rrelu: 3, torch.rrelu: 3, F.dropout: 2, F.alpha_dropout: 2,
-                         F.feature_alpha_dropout: 2, F.dropout1d: 2, F.dropout2d: 2,
-                         F.dropout3d: 2}
+# (dropout in training draws from dtorch's counter-based stream: dtorch.ops.dropout)
+_RANDOM_WHEN_TRAINING = {F.rrelu: 3, torch.rrelu: 3}
 _DEFAULT_TRAINING = {F.rrelu: False, torch.rrelu: False}
 _RANDOM_WHEN = {  # other random cases: func -> predicate(args, kwargs)
     F.multi_head_attention_forward: lambda a, k: (

@@ -37,7 +37,7 @@ from ..placement import Replicate, Shard
 from .binary import broadcast_rule
 from .explain import with_dim
 from .generic import all_replicate
-from .registry import NOT_COMPOSED, TArg, composed, rule
+from .registry import TArg, decomposed, rule
 
 R = Replicate()
 POINTWISE = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.binary_cross_entropy,
@@ -248,14 +248,14 @@ def _dtensors(bound: dict) -> list:
     return [v for v in bound.values() if isinstance(v, DTensor)]
 
 
-@composed(*LOSSES)
+@decomposed(*LOSSES)
 def compose_loss(func, args, kwargs):
     """A loss on DTensors that are not all Replicate: loss parallel for ``cross_entropy``
     over sharded classes, else the unreduced loss (the rule above) then its reduction."""
     bound = bind(func, args, kwargs)
     tensors = _dtensors(bound)
     if not tensors or all_replicate(tensors):
-        return NOT_COMPOSED  # every rank computes the whole loss (the all-Replicate rule)
+        return NotImplemented  # every rank computes the whole loss (the all-Replicate rule)
     reduction = reduction_of(func, bound)
     if func is F.cross_entropy:
         from . import loss_parallel
@@ -263,7 +263,7 @@ def compose_loss(func, args, kwargs):
             return loss_parallel.cross_entropy(bound, reduction)
     legacy = any(bound.get(k) is not None for k in _LEGACY)
     if reduction == "none" and not legacy:
-        return NOT_COMPOSED
+        return NotImplemented
     return reduce_loss(func, unreduced(func, bound), bound, reduction)
 
 

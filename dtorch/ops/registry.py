@@ -81,6 +81,7 @@ class Entry(NamedTuple):
 
 _RULES: dict[Any, Entry] = {}
 PREP: dict[Any, Callable] = {}  # callable -> prep(args, kwargs) -> (args, kwargs)
+DECOMPOSED: dict[Any, Callable] = {}  # callable -> fn(func, args, kwargs) (see decomposed)
 _NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("F", F), ("linalg", torch.linalg),
                ("special", torch.special))
 
@@ -131,19 +132,13 @@ def _register(funcs, family, inplace, meta, arg_names, fn, prep=None) -> None:
                 PREP[f] = prep
 
 
-COMPOSED: dict[Any, Callable] = {}  # callable -> compose(func, args, kwargs)
-NOT_COMPOSED = object()
-
-
-def composed(*funcs):
-    """Register the decorated ``compose(func, args, kwargs)`` for ``funcs``: dispatch calls it
-    first, and it either re-expresses the call as other DTensor ops (planned, counted and
-    differentiable through them: ``F.cross_entropy`` on a sharded batch is a ``sum`` over the
-    ranks divided by a reduced count) or returns ``NOT_COMPOSED`` for the plain path."""
+def decomposed(*funcs):
+    """Register the decorated ``fn(func, args, kwargs)`` to run calls of ``funcs`` (callables) as
+    other DTensor ops (dropout in training: a mask factory and a multiply); dispatch calls it
+    first, and its ``NotImplemented`` leaves the call to the rule."""
     def deco(fn):
-        for spec in funcs:
-            for f, _ in _resolve(spec):
-                COMPOSED[f] = fn
+        for f in funcs:
+            DECOMPOSED[f] = fn
         return fn
     return deco
 

@@ -181,18 +181,32 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
     key = f"dtorch-store-{time.time_ns()}"
     master, port = check_world_connects(client, workers, key, probe_timeout(timeout_s))
     devices = _devices(workers, backend)
-    futures = [client.submit(RankActor, rank, world, master, port, backend, timeout_s, seed,
-                             num_threads, devices[rank], key if rank == 0 else None,
-                             actor=True, workers=[addr], allow_other_workers=False,
-                             pure=False, key=f"dtorch-rank-{rank}-{time.time_ns()}")
-               for rank, addr in enumerate(workers)]
-    actors = [f.result(timeout=120) for f in futures]
+    try:
+        futures = [client.submit(RankActor, rank, world, master, port, backend, timeout_s,
+                                 seed, num_threads, devices[rank], key if rank == 0 else None,
+                                 actor=True, workers=[addr], allow_other_workers=False,
+                                 pure=False, key=f"dtorch-rank-{rank}-{time.time_ns()}")
+                   for rank, addr in enumerate(workers)]
+        actors = [f.result(timeout=120) for f in futures]
+    except BaseException:  # rank 0's actor never took its store socket: close it
+        _close_store_socket(client, workers[0], key)
+        raise
     ranks = [RankInfo(r, a, _host(a), actor, fut, devices[r])
              for r, (a, actor, fut) in enumerate(zip(workers, actors, futures))]
     with client.as_current():  # binds each actor handle to this (non-default) client
         readies = [ri.actor.ready() for ri in ranks]
     _raise_unless_ready(readies, timeout_s + 30)
     return ranks
+
+
+def _close_store_socket(client, worker: str, key: str) -> None:
+    """Close the store socket ``check_world_connects`` left in ``worker`` (a no-op once rank
+    0's actor took it); a failure here must not hide the one being raised."""
+    from .network import close_listener
+    try:
+        client.run(close_listener, key, workers=[worker])
+    except Exception:  # noqa: BLE001 - the worker may be gone: its socket went with it
+        pass
 
 
 def _raise_unless_ready(readies: list, wait_s: float) -> None:

@@ -284,20 +284,38 @@ class Controller:
 
     def error_for(self, failure, context: str = "", wait_s: float = 5.0):
         """The exception for a rank's failure: when its collective broke because a peer's
-        connection closed, the WorkerLostError of the rank that is gone (waiting up to
-        ``wait_s`` for the scheduler to notice), else the RemoteError."""
+        connection closed, the WorkerLostError of the rank that is gone, else the
+        RemoteError. Every rank is asked (``health``, answered on its event loop); when all
+        answer, no worker is lost and nothing waits. Only a rank that does not answer within
+        ``wait_s`` sends the question to the scheduler."""
         err = remote_error(failure, context)
         if not any(text in failure.message for text in PEER_LOST):
             return err
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            try:
-                self.check_alive()
-            except WorkerLostError as lost:
-                lost.__cause__ = err
-                return lost
-            time.sleep(0.2)
-        return err
+        lost = self._lost_rank(wait_s)
+        if lost is None:
+            return err
+        lost.__cause__ = err
+        return lost
+
+    def _lost_rank(self, wait_s: float) -> WorkerLostError | None:
+        """The WorkerLostError of a rank whose worker is gone, or None when every rank
+        answers."""
+        from distributed.utils import sync
+        futures = {r: self._call(r, "health") for r in range(self.world)}
+        try:
+            reports = sync(self.client.loop, _answers_of, futures, callback_timeout=wait_s)
+        except TimeoutError:
+            reports = None
+        if reports is not None:
+            for rank, (ok, report) in sorted(reports.items()):
+                if not ok:
+                    return self._lost(rank, report)
+            return None
+        try:
+            self.check_alive()
+        except WorkerLostError as lost:
+            return lost
+        return None
 
     def _lost(self, rank: int, exc: BaseException | None = None) -> WorkerLostError:
         self.closed = True

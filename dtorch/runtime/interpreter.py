@@ -27,6 +27,7 @@ from .buffers import BufferPool
 from .wire import pack, unpack
 from .collectives import StepContext, collective_calls, is_comm_failure, run_step, send_recv
 from .composite import run_composite
+from . import random_masks
 from .local_graphs import LocalGraph, LocalGraphs, tensors_of as _tensors_of  # noqa: F401
 from .poison import Poison, RemoteFailure  # noqa: F401 - re-exported: the interpreter's values
 
@@ -102,6 +103,7 @@ class Interpreter(LocalGraphs):
         self.make_groups = make_groups
         self.gen = torch.Generator().manual_seed(seed)
         self.instructions = 0
+        self.random_values = 0  # values the counter-based stream drew here (random_masks)
         self._poisoned_arg: Poison | None = None
         self.composite_peak_bytes = 0  # watched bytes at the peak of the last composite op
         self._handlers = {m.SetupMesh: self._setup_mesh, m.Seed: self._seed,
@@ -169,6 +171,10 @@ class Interpreter(LocalGraphs):
 
     def _make(self, instr: m.Create, member: bool):
         coord = instr.mesh.get_coordinate(self.rank) if member else None
+        if instr.fn in random_masks.FACTORIES:  # a dropout mask: only this rank's block
+            mask = random_masks.block_of(instr, coord, self.device)
+            self.random_values += mask.numel()
+            return mask
         if instr.fn in _BLOCKWISE:
             return self._blockwise(instr, coord) if member else None
         if instr.fn in _DETERMINISTIC or instr.fn == "full":
@@ -386,6 +392,7 @@ class Interpreter(LocalGraphs):
         return {"rank": self.rank, "tensors": len(self.store),
                 "bytes": sum(t.numel() * t.element_size() for t in tensors),
                 "counts": dict(self.counts), "instructions": self.instructions,
+                "random_values": self.random_values,
                 "pool_bytes": self.pool.held, "pool_reused": self.pool.reused,
                 "composite_peak_bytes": self.composite_peak_bytes,
                 "graphs": len(self.graphs),

@@ -167,8 +167,11 @@ def flush() -> None:
 
 
 def manual_seed(seed: int) -> None:
-    """Seed every rank: random factories then match ``torch.manual_seed(seed)`` on one device."""
+    """Seed every rank: random factories then match ``torch.manual_seed(seed)`` on one device;
+    dropout masks restart from ``(seed, counter 0)`` (see dtorch.random)."""
+    from .. import random as stream
     c = get_controller()
+    stream.reset(seed)
     c.issue(m.Seed(int(seed)))
 
 
@@ -184,7 +187,9 @@ def cluster_info() -> dict:
 
 
 def rank_stats() -> list[dict]:
-    """Per rank: tensors held and their bytes, collectives run, instructions, process RSS.
+    """Per rank: tensors held and their bytes, collectives run, instructions, process RSS,
+    ``random_values`` (the values dropout masks drew there: only the rank's own blocks),
+    ``running`` (the instruction the rank is in right now, e.g. ``'Call(sleep)'``, or None).
 
     >>> [s["bytes"] for s in dtorch.rank_stats()]              # doctest: +SKIP
     [400, 400, 400, 400]

@@ -26,6 +26,19 @@ from .network import bind_to_interface, take_listener, worker_ip
 _STOP = object()
 
 
+def leave_world(group) -> None:
+    """Destroy the default process group if it is still ``group`` (this actor's world). On a
+    joined cluster a restarted actor in the same worker process may have made a new world
+    meanwhile: an old rank thread that comes out of a stuck collective late leaves that one
+    alone.
+
+    >>> leave_world(None)  # never joined: nothing to do
+    """
+    import torch.distributed as dist
+    if group is not None and dist.is_initialized() and dist.group.WORLD is group:
+        dist.destroy_process_group()
+
+
 class RankActor:
     """One rank: joins the torch.distributed world, then runs batches in sequence order."""
 
@@ -55,6 +68,7 @@ class RankActor:
         self._busy = True  # the interpreter thread is starting or running a batch
         self.inline_batches = 0  # quick batches run on the event loop
         self._groups: dict[tuple[int, ...], object] = {}
+        self._world_group = None  # this actor's default process group, once joined
         self.device = device
         self.interp = Interpreter(rank, self._group_of, self._make_groups, seed, device)
         # rank 0's store socket, opened on this worker's address by check_world_connects
@@ -114,6 +128,8 @@ class RankActor:
         out["pending_batches"] = len(self._inbox)
         out["next_seq"] = self._next_seq
         out["inline_batches"] = self.inline_batches
+        current = self.interp.current
+        out["running"] = current[0] if current else None  # the instruction it is in, if any
         try:
             import psutil
             out["rss"] = psutil.Process().memory_info().rss
@@ -180,8 +196,7 @@ class RankActor:
             self._fatal = self.interp._fail("interpreter", exc).failure._replace(
                 message=f"the rank's interpreter thread stopped: {type(exc).__name__}: {exc}")
             raise
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_world(self._world_group)
 
     def _join_world(self, master_addr, master_port, backend, timeout_s, store_socket) -> None:
         """init_process_group on this worker's own interface; rank 0's store serves on
@@ -196,6 +211,7 @@ class RankActor:
                               master_listen_fd=fd)
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world,
                                 timeout=timeout)
+        self._world_group = dist.group.WORLD
 
     def _run_batch(self, payload: bytes, staged: bytes | None) -> None:
         try:

@@ -1,6 +1,7 @@
 """Modules without parameters: torch.nn's own, made dtorch Modules so they sit in a dtorch
-model (and take its hooks). ``Dropout`` is the identity in eval mode; in training mode with
-``p > 0`` it raises (its random mask would differ from single-device torch). Example::
+model (and take its hooks). ``Dropout`` is the identity in eval mode; in training mode it
+draws its mask from dtorch's counter-based stream (the same whatever the placements, see
+dtorch.random). Example::
 
     mlp = Sequential(ColumnParallelLinear(8, 32), GELU(), RowParallelLinearWithReplicateOutput(32, 8))
 """
@@ -29,12 +30,5 @@ class Identity(Module, torch.nn.Identity):
 
 
 class Dropout(Module, torch.nn.Dropout):
-    """``torch.nn.Dropout``: the identity in eval mode (``model.eval()``) or with ``p=0``."""
-
-    def forward(self, input):
-        if self.training and self.p > 0:
-            raise NotImplementedError(
-                "dtorch.nn.Dropout in training mode draws a random mask, which dtorch does not "
-                "support yet (the original DTorch is inference only); call model.eval() or use "
-                "p=0")
-        return input
+    """``torch.nn.Dropout``: the identity in eval mode (``model.eval()``) or with ``p=0``; in
+    training, ``F.dropout`` on DTensors (see dtorch.ops.dropout)."""

@@ -29,6 +29,9 @@ from ...tensor import DTensor
 from ..state_dict import load_value
 
 
+_running: list = []  # the dtorch modules whose __call__ is running, outermost first
+
+
 class Module(torch.nn.Module):
     """torch.nn.Module with DTensor parameters/buffers and redistribute hooks."""
 
@@ -42,9 +45,25 @@ class Module(torch.nn.Module):
         return output
 
     def __call__(self, *args, **kwargs):
-        args, kwargs = self.redistribute_input(*args, **kwargs)
-        output = super().__call__(*args, **(kwargs or {}))
-        return self.redistribute_output(output)
+        if not _running:
+            self._name_parameters()
+        _running.append(self)
+        try:
+            args, kwargs = self.redistribute_input(*args, **kwargs)
+            output = super().__call__(*args, **(kwargs or {}))
+            return self.redistribute_output(output)
+        finally:
+            _running.pop()
+
+    def _name_parameters(self) -> None:
+        """The outermost module a call runs names its parameters (``named_parameters()``), so
+        the collectives a backward runs for their gradients say whose they are
+        (``CommDebugMode.get_gradient_comm_counts()``, the kernel's per-cell table)."""
+        if not torch.is_grad_enabled():
+            return
+        for name, p in self.named_parameters():
+            if isinstance(p, DTensor) and p._ag is not None:
+                p._ag.name = name
 
     # DTensor parameters and buffers ----------------------------------------------------------
     def __setattr__(self, name: str, value) -> None:
