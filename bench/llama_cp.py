@@ -142,7 +142,7 @@ def dtorch_forward(model, ids) -> float:
     import dtorch
     dtorch.synchronize()
     t0 = time.perf_counter()
-    logits = model(ids)
+    logits = model(ids).logits
     dtorch.synchronize()
     took = time.perf_counter() - t0
     del logits
@@ -171,7 +171,7 @@ def measure(seq: int, repeats: int) -> dict:
     # inference everywhere (dtorch's parameters require grad: no graph is recorded here)
     with dtorch_cluster(WORLD), OneProcess(dtorch_rank_settings(), seq) as one, torch.no_grad():
         models = {k: dtorch_model((WORLD,), names, hf) for k, names in MESHES.items()}
-        errs = check_logits({**{k: m(ids).to_torch() for k, m in models.items()},
+        errs = check_logits({**{k: m(ids).logits.to_torch() for k, m in models.items()},
                              ONE: one.logits}, want)
         out = {k: {"peak": rank_peaks(lambda: m(ids)), "err": errs[k],
                    "composite": [s["composite_peak_bytes"] for s in dtorch.rank_stats()]}

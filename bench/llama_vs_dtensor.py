@@ -334,14 +334,14 @@ def time_dtorch(model, ids, sizes: Sizes) -> dict:
     one = issue = 0.0
     for _ in range(sizes.one):
         t0 = time.perf_counter()
-        logits = model(ids)
+        logits = model(ids).logits
         c.flush()
         t1 = time.perf_counter()
         dtorch.synchronize()
         one, issue = one + time.perf_counter() - t0, issue + t1 - t0
         del logits
     t0 = time.perf_counter()
-    logits = model(ids)
+    logits = model(ids).logits
     logits.to_torch()
     t1 = time.perf_counter()
     logits.to_torch()  # reading finished logits again: the round trip + transfer alone
@@ -352,7 +352,7 @@ def time_dtorch(model, ids, sizes: Sizes) -> dict:
     t4 = time.perf_counter()
     for _ in range(sizes.chain):
         del logits
-        logits = model(ids)
+        logits = model(ids).logits
     dtorch.synchronize()
     t5 = time.perf_counter()
     del logits
@@ -382,7 +382,7 @@ def check_logits(ref: LlamaRanks, models: dict, hf, batches) -> None:
         with torch.no_grad():
             want, mine = hf(ids).logits, lean(ids)
         for layout, model in models.items():
-            got = {"dtorch": model(ids).to_torch(), "lean Llama": mine,
+            got = {"dtorch": model(ids).logits.to_torch(), "lean Llama": mine,
                    "lean Llama under DTensor": ref.logits[("lean", layout, b)],
                    "transformers under DTensor": ref.logits[("hf", layout, b)]}
             for who, value in got.items():

@@ -49,7 +49,7 @@ def _check_gradients(reference, shape, names):
     parameter's own placements."""
     hf, ids, want_loss, want = reference
     model = _model(hf, shape, names)
-    loss = _loss(model(ids))
+    loss = _loss(model(ids).logits)
     torch.testing.assert_close(loss.to_torch(), want_loss, atol=1e-5, rtol=0)
     loss.backward()
     params = dict(model.named_parameters())

@@ -67,7 +67,7 @@ def test_logits_match_transformers(live, hf_model, tokens, shape, names):
     assert list(model.state_dict()) == list(hf_model.state_dict())
     model.load_state_dict(hf_model.state_dict())
     with dtorch.CommDebugMode() as mode:
-        logits = model(tokens)
+        logits = model(tokens).logits
     assert mode.get_comm_counts() == expected_counts(names)
     assert torch.allclose(logits.to_torch(), hf_logits(hf_model, tokens), atol=1e-4)
 
@@ -109,7 +109,7 @@ def test_tied_embeddings_and_rope_scaling(live, tokens):
     state = dict(hf.state_dict())
     state.pop("lm_head.weight")  # a tied checkpoint may leave the head out
     model.load_state_dict(state)
-    assert torch.allclose(model(tokens).to_torch(), hf_logits(hf, tokens), atol=1e-4)
+    assert torch.allclose(model(tokens).logits.to_torch(), hf_logits(hf, tokens), atol=1e-4)
 
 
 def test_a_dict_config_and_dtensor_input_work(live, hf_model, tokens):
@@ -117,7 +117,7 @@ def test_a_dict_config_and_dtensor_input_work(live, hf_model, tokens):
     model = LlamaForCausalLM(CONFIG, device_mesh=mesh)
     model.load_state_dict(hf_model.state_dict())
     ids = dtorch.distribute_tensor(tokens, mesh, [dtorch.Replicate()])
-    assert torch.allclose(model(ids).to_torch(), hf_logits(hf_model, tokens), atol=1e-4)
+    assert torch.allclose(model(ids).logits.to_torch(), hf_logits(hf_model, tokens), atol=1e-4)
 
 
 def test_heads_that_do_not_split_over_tp_raise(live):
@@ -142,7 +142,7 @@ def test_three_d_meshes_on_eight_ranks(other_cluster, hf_model, tokens):
         model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
         model.load_state_dict(hf_model.state_dict())
         with dtorch.CommDebugMode() as mode:
-            logits = model(tokens)
+            logits = model(tokens).logits
         assert mode.get_comm_counts() == COUNTS_8[names[-1] if "ring_cp" in names else "dp"]
         assert torch.allclose(logits.to_torch(), hf_logits(hf_model, tokens), atol=1e-4)
     assert torch.equal(model.generate(tokens, 4),

@@ -5,7 +5,8 @@ Face's ``LlamaForCausalLM``, so ``load_state_dict(hf_model.state_dict())`` loads
 
 - ``tp``: q/k/v/gate/up are column parallel, o/down row parallel with a Replicate output (one
   all_reduce each), query and kv heads split across tp, the embedding sharded on its feature
-  dim, the output head sharded on the vocabulary (logits gathered);
+  dim, the output head sharded on the vocabulary (logits gathered; kept sharded for the
+  loss when ``labels`` are given);
 - ``dp``: the batch is ``Shard(0)``;
 - ``pp``: ``mesh.unbind("pp")`` stages, layers by ``assign_layers_to_stages``, activations
   moved point to point between stages;
@@ -18,8 +19,15 @@ Example::
     model = LlamaForCausalLM(config, device_mesh=init_device_mesh("cpu", (2, 2),
                                                                   mesh_dim_names=("pp", "tp")))
     model.load_state_dict(hf_model.state_dict())
-    logits = model(input_ids)                        # a DTensor [batch, seq, vocab]
+    logits = model(input_ids).logits                 # a DTensor [batch, seq, vocab]
+    out = model(input_ids, labels=input_ids)         # Hugging Face's shifted loss, -100 ignored
+    out.loss.backward()                              # out.logits stay Shard(-1) on tp
     tokens = model.generate(input_ids, max_new_tokens=8)   # greedy, a torch LongTensor
+
+With ``labels`` the loss is loss parallel on tp (``F.cross_entropy`` on the vocabulary-sharded
+logits: no all_gather of the logits, 3 all_reduces of per-row scalars, a backward with no tp
+collective) and a mean over the batch on dp (one all_reduce of the count of labels that are
+not -100).
 """
 
 from __future__ import annotations
@@ -35,9 +43,11 @@ from ..tensor import DTensor
 from .. import nn
 from ..graph import mesh_or_default
 from .llama_config import llama_settings
+from .outputs import CausalLMOutput
 from .rope import cos_sin, inverse_frequencies
 
 CP_DIMS = ("ring_cp", "ulysses_cp", "ulysess_cp")
+IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
 
 
 def activation_placements(mesh, sequence_sharded: bool = True) -> list:
@@ -158,7 +168,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Hugging Face's ``LlamaForCausalLM`` (inference) on ``device_mesh``; see module doc."""
+    """Hugging Face's ``LlamaForCausalLM`` on ``device_mesh``; see module doc."""
 
     def __init__(self, config, device_mesh=None):
         super().__init__()
@@ -175,8 +185,7 @@ class LlamaForCausalLM(nn.Module):
                                      f"that divides {n}")
         self.model = LlamaModel(s, self.stages, self.stage_of)
         with Graph.default_graph().device_mesh_guard(self.stages[-1]):
-            self.lm_head = nn.ColumnParallelLinearWithReplicateOutput(s.hidden_size,
-                                                                      s.vocab_size, False)
+            self.lm_head = nn.ColumnParallelLinear(s.hidden_size, s.vocab_size, False)
         self._inv_freq, self._rope_scaling = inverse_frequencies(s)
         self._rope_cache: dict = {}
 
@@ -203,8 +212,16 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(ids.shape)}")
         return distribute_tensor(ids, stage, activation_placements(stage, sequence_sharded))
 
-    def forward(self, input_ids, cache: LlamaKVCache | None = None):
-        """Logits ``[batch, seq, vocab]`` (a DTensor on the last stage)."""
+    def forward(self, input_ids, attention_mask=None, labels=None, *,
+                cache: LlamaKVCache | None = None) -> CausalLMOutput:
+        """transformers' ``forward``: ``.logits`` ``[batch, seq, vocab]`` (a DTensor on the last
+        stage, Replicate on tp; ``Shard(-1)`` there when ``labels`` are given) and, given
+        ``labels`` ``[batch, seq]``, ``.loss`` (see :func:`causal_lm_loss`). ``attention_mask``
+        may be None or all ones (padding is not supported yet)."""
+        _check_no_padding(attention_mask)
+        if labels is not None and _shape(labels) != _shape(input_ids):
+            raise ValueError(f"labels must have input_ids' shape {_shape(input_ids)}; got "
+                             f"{_shape(labels)}")
         start = cache.length if cache is not None else 0
         sequence_sharded = start == 0
         ids = self._tokens(input_ids, sequence_sharded)
@@ -218,7 +235,29 @@ class LlamaForCausalLM(nn.Module):
         if cache is not None:
             cache.length += length
         h = self.model.norm(h.redistribute(device_mesh=self.stages[-1]))
-        return self.lm_head(h)
+        return self._output(self.lm_head(h), labels, sequence_sharded)
+
+    def _output(self, logits, labels, sequence_sharded: bool) -> CausalLMOutput:
+        """Without labels, the logits gathered on tp; with them, the loss of the logits as
+        the head left them (the vocabulary sharded on tp: loss parallel)."""
+        if labels is None:
+            return CausalLMOutput(logits=logits.redistribute_by_dict(
+                placements_dict={"tp": Replicate()}))
+        shifted = self._shifted_labels(labels, sequence_sharded)
+        return CausalLMOutput(loss=causal_lm_loss(logits, shifted), logits=logits)
+
+    def _shifted_labels(self, labels, sequence_sharded: bool):
+        """Hugging Face's shift (token ``i`` predicts label ``i + 1``; the last predicts
+        nothing): a torch tensor is shifted here and sent like the activations; a DTensor is
+        shifted on the ranks. Both on the last stage."""
+        stage = self.stages[-1]
+        if isinstance(labels, DTensor):
+            if labels.device_mesh != stage:
+                labels = labels.redistribute(device_mesh=stage)
+            return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+        shifted = F.pad(torch.as_tensor(labels), (0, 1), value=IGNORE_INDEX)[..., 1:]
+        return distribute_tensor(shifted.contiguous(), stage,
+                                 activation_placements(stage, sequence_sharded))
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
         head, embed = prefix + "lm_head.weight", prefix + "model.embed_tokens.weight"
@@ -237,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
             self.config.pad_token_id if self.config.pad_token_id is not None else
             (eos[0] if eos else None))
         cache = LlamaKVCache()
-        logits = self(ids, cache)
+        logits = self(ids, cache=cache).logits
         cache.gather_sequence()
         done = torch.zeros(ids.shape[0], dtype=torch.bool)
         out = ids
@@ -250,8 +289,36 @@ class LlamaForCausalLM(nn.Module):
             out = torch.cat([out, nxt[:, None]], dim=1)
             if (eos and bool(done.all())) or step == max_new_tokens - 1:
                 break
-            logits = self(nxt[:, None], cache)
+            logits = self(nxt[:, None], cache=cache).logits
         return out
+
+
+def causal_lm_loss(logits, shifted_labels):
+    """transformers' ``ForCausalLMLoss`` on DTensors: ``F.cross_entropy`` of the float logits
+    with -100 ignored, the mean over the labelled tokens (loss parallel where the vocabulary
+    is sharded). transformers flattens to ``[tokens, vocab]``; here the logits are
+    ``[batch, vocab, seq]`` (torch's ``(N, C, d1)`` form: the same mean), so a batch on dp and
+    a sequence on a cp dim stay sharded as they are."""
+    return F.cross_entropy(logits.float().transpose(1, 2), shifted_labels,
+                           ignore_index=IGNORE_INDEX)
+
+
+def _shape(tokens) -> tuple[int, ...]:
+    return tuple(tokens.shape) if hasattr(tokens, "shape") else tuple(torch.as_tensor(
+        tokens).shape)
+
+
+def _check_no_padding(attention_mask) -> None:
+    """An attention mask of all ones changes nothing; padding is refused (not ignored)."""
+    if attention_mask is None:
+        return
+    mask = attention_mask.to_torch() if isinstance(attention_mask, DTensor) else \
+        torch.as_tensor(attention_mask)
+    if not bool((mask == 1).all()):
+        raise NotImplementedError(
+            "LlamaForCausalLM: attention_mask with padding (zeros) is not supported yet; "
+            "pass attention_mask=None (or all ones): right-pad the batch (causal attention "
+            "never looks ahead) and set the labels of the pads to -100")
 
 
 def _ids(value) -> list[int]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from . import registry
 from . import (attention, binary, cast, compare, concat, elementwise, embedding,  # noqa: F401
-               indexing, like, matmul, meta_ops, norm, reduction, shape, softmax)
+               indexing, like, loss_parallel, losses, matmul, meta_ops, norm, reduction, shape,
+               softmax)
 from . import dropout  # noqa: F401 - dropout in training (registry.decomposed)
 from .dispatch import UnsupportedOpError, clear_cache
 from .registry import lookup
