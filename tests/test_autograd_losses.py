@@ -241,8 +241,9 @@ def _by_dim(records):
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("extra", [{}, {"weight": True, "label_smoothing": 0.1}],
-                         ids=["plain", "weight-smoothing"])
+@pytest.mark.parametrize("extra", [{}, {"weight": True, "label_smoothing": 0.1},
+                                   {"label_smoothing": 0.2}],
+                         ids=["plain", "weight-smoothing", "smoothing"])
 @pytest.mark.parametrize("shape, names, xp, tpl, classes", LP, ids=LP_IDS)
 def test_loss_parallel_matches_torch(live, shape, names, xp, tpl, classes, extra, reduction):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -256,7 +257,8 @@ def test_loss_parallel_matches_torch(live, shape, names, xp, tpl, classes, extra
     dtorch.synchronize()
     with dtorch.CommDebugMode() as mode:
         loss, counts = counted(lambda: F.cross_entropy(dx, dt_, weight=dw, **kwargs))
-    assert _by_dim(mode.get_comm_records()) == _lp_expected(names, reduction, w is not None)
+    assert _by_dim(mode.get_comm_records()) == _lp_expected(names, reduction,
+                                                            kwargs["label_smoothing"] > 0)
     torch.testing.assert_close(loss.to_torch(), want)
     total = _scalar(loss)
     dtorch.synchronize()
@@ -264,6 +266,40 @@ def test_loss_parallel_matches_torch(live, shape, names, xp, tpl, classes, extra
     assert counts == {}  # softmax minus one-hot, on each rank's own classes
     assert dx.grad.placements == dx.placements
     torch.testing.assert_close(dx.grad.to_torch(), want_grad)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_loss_parallel_with_every_target_ignored_is_nan_with_zero_gradients(live, smoothing):
+    """torch: the mean over no target is 0/0 (NaN), and every logit's gradient is 0."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x, t = _float(N + 1, 10), torch.full((N + 1,), -100)
+    want, want_grad = _lp_reference(x, t, {"label_smoothing": smoothing})
+    assert want.isnan() and torch.equal(want_grad, torch.zeros_like(x))
+    dx = dtorch.tensor(x, device_mesh=mesh, placements=[Shard(0), Shard(1)], requires_grad=True)
+    dt_ = dtorch.tensor(t, device_mesh=mesh, placements=[Shard(0), R])
+    loss = F.cross_entropy(dx, dt_, label_smoothing=smoothing)
+    assert loss.to_torch().isnan()
+    loss.backward()
+    torch.testing.assert_close(dx.grad.to_torch(), want_grad)
+
+
+def test_loss_parallel_target_out_of_range_raises_like_torch(live):
+    """A target no rank's classes hold is torch's error on every rank (no silent loss), the
+    cluster usable after."""
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("tp",))
+    x, t = _float(N, 10), _targets(N, 10)
+    t[3] = 10
+    with pytest.raises(IndexError, match="out of bounds"):
+        F.cross_entropy(x, t)
+    dx = dtorch.tensor(x, device_mesh=mesh, placements=[Shard(1)])
+    dt_ = dtorch.tensor(t, device_mesh=mesh, placements=[R])
+    with pytest.raises(dtorch.RemoteError, match="Target 10 is out of bounds"):
+        F.cross_entropy(dx, dt_).to_torch()
+    with pytest.raises(dtorch.RemoteError, match="out of bounds"):
+        dtorch.synchronize()  # the other ranks' failures of the same op
+    ok = dtorch.tensor(_targets(N, 10), device_mesh=mesh, placements=[R])
+    torch.testing.assert_close(F.cross_entropy(dx, ok).to_torch(),
+                               F.cross_entropy(x, _targets(N, 10)))
 
 
 def test_loss_parallel_on_flattened_3d_logits(live):

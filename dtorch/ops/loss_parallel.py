@@ -50,10 +50,16 @@ def class_mesh_dims(x) -> tuple[int, ...]:
     return tuple(m for m, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim == c)
 
 
-def class_logit(input, target, ignore_index: int, start: int = 0):
+def class_logit(input, target, ignore_index: int, start: int = 0, classes: int | None = None):
     """Per row, the logit of its target class when this block of classes (which begins at
-    class ``start``) holds it, else 0 (also where the target is ``ignore_index``)."""
+    class ``start``) holds it, else 0 (also where the target is ``ignore_index``). A target
+    outside ``[0, classes)`` raises torch's error (every rank sees the same targets, so every
+    rank raises: the result is poisoned everywhere, no rank waits)."""
     c = class_dim(input)
+    if classes is not None:
+        bad = target[(target != ignore_index) & ((target < 0) | (target >= classes))]
+        if bad.numel():
+            raise IndexError(f"Target {int(bad[0])} is out of bounds.")
     local = target - start
     hit = (local >= 0) & (local < input.shape[c]) & (target != ignore_index)
     if input.shape[c] == 0:
@@ -62,9 +68,9 @@ def class_logit(input, target, ignore_index: int, start: int = 0):
     return torch.where(hit, picked, torch.zeros((), dtype=picked.dtype))
 
 
-def class_logit_on_rank(starts: dict, coord, input, target, ignore_index: int):
+def class_logit_on_rank(starts: dict, classes: int, coord, input, target, ignore_index: int):
     """Local kernel: :func:`class_logit` of this rank's block of classes."""
-    return class_logit(input, target, ignore_index, starts[coord])
+    return class_logit(input, target, ignore_index, starts[coord], classes)
 
 
 @rule(class_logit, family="loss", arg_names=("input", "target", "ignore_index"))
@@ -88,7 +94,7 @@ def class_logit_rule(op):
                                                    mesh.get_coordinate(r))[c]
               for r in mesh.ranks}
     return Decision((tuple(out),), class_logit_on_rank,
-                    (starts, Coord(mesh), x, t, op.arg(2, "ignore_index", -100)), {})
+                    (starts, x.shape[c], Coord(mesh), x, t, op.arg(2, "ignore_index", -100)), {})
 
 
 def _check(bound) -> None:
@@ -144,7 +150,9 @@ def cross_entropy(bound: dict, reduction: str):
     lse = (sumexp.log() + top).squeeze(c)
     picked = _classes_reduced(dispatch_op(class_logit, x, t, ignore), dims)
     weights = dispatch_op(target_weights, t, w, ignore, x.dtype)
-    losses = (lse - picked) * weights
+    # where, not a product: with every target ignored the mean is 0/0 (NaN, as torch's) and
+    # the gradient coming down is inf; rows of weight 0 must still get 0, not inf * 0
+    losses = torch.where(weights != 0, (lse - picked) * weights, 0.0)
     if eps > 0:
         losses = (1 - eps) * losses + eps * _smoothing(x, t, w, ignore, lse, c, dims)
     return reduce_loss(F.cross_entropy, losses, bound, reduction)
@@ -159,5 +167,4 @@ def _smoothing(x, t, w, ignore, lse, c, dims):
         shape = [n] + [1] * (x.ndim - c - 1)
         total, weight_sum = (x * w.view(*shape)).sum(c), w.sum()
     total = _classes_reduced(total, dims)
-    valid = (t != ignore).to(x.dtype)
-    return (lse * weight_sum - total) * valid / n
+    return torch.where(t != ignore, (lse * weight_sum - total) / n, 0.0)
