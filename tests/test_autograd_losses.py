@@ -478,8 +478,8 @@ def test_llama_labels_loss_adds_no_backward_collective(live, hf_llama, shape, na
 @pytest.mark.parametrize("shape, names", [((4,), ("ring_cp",)), ((2, 2), ("tp", "ring_cp"))],
                          ids=["ring_cp", "tpxring_cp"])
 def test_llama_labels_loss_on_ring_meshes(live, hf_llama, shape, names):
-    """The loss of a ring mesh (whose backward is not there yet) is transformers' too."""
-    hf, ids, labels, want_loss, _, _ = hf_llama
+    """On ring meshes the loss is transformers' too, and so is its backward (the ring's)."""
+    hf, ids, labels, want_loss, _, want = hf_llama
     model, _ = _llama(hf, shape, names)
     dtorch.synchronize()
     with dtorch.CommDebugMode() as plain:
@@ -489,6 +489,10 @@ def test_llama_labels_loss_on_ring_meshes(live, hf_llama, shape, names):
     assert _by_dim(mode.get_comm_records()) == _plus(_by_dim(plain.get_comm_records()),
                                                      _loss_costs(names))
     torch.testing.assert_close(out.loss.to_torch(), want_loss, atol=1e-5, rtol=0)
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        got, ref = p.grad.to_torch(), want[name]
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), name
 
 
 def test_llama_output_without_labels_and_bad_inputs(live, hf_llama):

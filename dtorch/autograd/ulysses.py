@@ -56,16 +56,16 @@ def ulysses_dim(q, k, v) -> int | None:
 
 
 def head_blocks(q, k, u) -> int | None:
-    """With a heads dim (tp) listed after ``ulysses_cp`` and no ring dim after it: the number
+    """With a heads dim (tp) listed after ``ulysses_cp`` and no ring dim at all: the number
     ``A`` of head blocks the other mesh dims split the heads into (the product of their
     sizes). Heads ``[N, H, ...]`` viewed as ``[N, A, H/A, ...]`` keep those dims on the
     blocks and let ``ulysses_cp`` split each block, as the composite does: one all_to_all.
     None when not needed or when the head counts do not divide by ``A``."""
     mesh = q.device_mesh
     later = range(u + 1, mesh.ndim)
-    if any(q.placements[m] == Shard(SEQ) for m in later) or not any(
+    if any(q.placements[m] == Shard(SEQ) for m in range(mesh.ndim) if m != u) or not any(
             q.placements[m] == Shard(HEADS) for m in later):
-        return None
+        return None  # a ring dim anywhere: the blocked view would move its sequence dim
     a = 1
     for m, p in enumerate(q.placements):
         if m != u and p == Shard(HEADS):
