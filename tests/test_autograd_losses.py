@@ -376,7 +376,8 @@ def test_bad_loss_inputs_are_refused_before_anything_is_sent(live):
 LLAMA = dict(vocab_size=101, hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=176, num_hidden_layers=2, eos_token_id=None)
 LLAMA_MESHES = [((4,), ("tp",)), ((2, 2), ("dp", "tp")), ((2, 2), ("pp", "tp")),
-                ((2, 2), ("dp", "pp")), ((2, 2), ("dp", "ulysses_cp"))]
+                ((2, 2), ("dp", "pp")), ((2, 2), ("dp", "ulysses_cp")), ((4,), ("ring_cp",)),
+                ((2, 2), ("tp", "ring_cp"))]  # on ring meshes, the ring's backward
 
 
 @pytest.fixture(scope="module")
@@ -473,26 +474,6 @@ def test_llama_labels_loss_adds_no_backward_collective(live, hf_llama, shape, na
     with dtorch.CommDebugMode() as mode:
         counted(lambda: loss.backward())
     assert _by_dim(mode.get_comm_records()) == _by_dim(reference.get_comm_records())
-
-
-@pytest.mark.parametrize("shape, names", [((4,), ("ring_cp",)), ((2, 2), ("tp", "ring_cp"))],
-                         ids=["ring_cp", "tpxring_cp"])
-def test_llama_labels_loss_on_ring_meshes(live, hf_llama, shape, names):
-    """On ring meshes the loss is transformers' too, and so is its backward (the ring's)."""
-    hf, ids, labels, want_loss, _, want = hf_llama
-    model, _ = _llama(hf, shape, names)
-    dtorch.synchronize()
-    with dtorch.CommDebugMode() as plain:
-        model(ids)
-    with dtorch.CommDebugMode() as mode:
-        out = model(ids, labels=labels)
-    assert _by_dim(mode.get_comm_records()) == _plus(_by_dim(plain.get_comm_records()),
-                                                     _loss_costs(names))
-    torch.testing.assert_close(out.loss.to_torch(), want_loss, atol=1e-5, rtol=0)
-    out.loss.backward()
-    for name, p in model.named_parameters():
-        got, ref = p.grad.to_torch(), want[name]
-        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), name
 
 
 def test_llama_output_without_labels_and_bad_inputs(live, hf_llama):
