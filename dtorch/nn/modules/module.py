@@ -111,8 +111,8 @@ class Module(torch.nn.Module):
         super().add_module(name, module)
 
     def _apply(self, fn, recurse=True):
-        NAMES_CHANGED[0] += 1
         """``model.float()``, ``model.to(dtype)``: applied to every DTensor as a DTensor op."""
+        NAMES_CHANGED[0] += 1
         if recurse:
             for module in self.children():
                 module._apply(fn)
