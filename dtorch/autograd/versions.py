@@ -38,9 +38,10 @@ def saved_by(func, args, kwargs):
     packed: list = []
 
     def pack(t):
-        while t._base is not None:
-            t = t._base
-        packed.append(t)
+        root = t
+        while root._base is not None:
+            root = root._base
+        packed.append(root)
         return t
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = func(*args, **kwargs)
