@@ -34,9 +34,10 @@ import torch
 from ..layout import rank_block
 from ..runtime.messages import Slot
 from .composite import PlanBuilder, per_rank
-from .cp_attention import (HEADS, SEQ, _Local, _balanceable, _offsets, _peers, _start,
-                           _zigzag_in, _zigzag_out, _acc_dtype, cat_last, check_versions,
-                           scores, split_last, weighted_values)
+from .cp_attention import (HEADS, SEQ, _Local, _balanceable, _peers, _start, _zigzag_in,
+                           _zigzag_out)
+from .cp_kernels import (_acc_dtype, _offsets, cat_last, check_versions, scores, split_last,
+                         weighted_values)
 
 
 def plan_ring_backward(q, k, v, has_mask: bool, causal: bool, scale, ring: int, needs):
