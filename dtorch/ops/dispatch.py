@@ -24,7 +24,7 @@ from ..runtime import messages as m
 from ..runtime import session
 from ..tensor import DTensor, make_spec
 from ..placement import Replicate
-from . import generic
+from . import derived, generic, value_shapes
 from .infer import Outputs, describe, rebuild, to_meta, to_zeros
 from .registry import DECOMPOSED as _DECOMPOSED
 from .registry import PREP as _PREP
@@ -278,12 +278,6 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
     name = entry.name if entry is not None else display_name(func)
     if "out" in kwargs and kwargs["out"] is not None:
         raise TypeError(f"{name}: out= is not supported on DTensors; use the returned DTensor")
-    if entry is None and not generic.all_replicate(tensors):
-        raise UnsupportedOpError(
-            f"{name} has no dtorch placement rule for sharded or Partial inputs, so it cannot "
-            f"run on these DTensors. It runs when every DTensor input is Replicate "
-            f"(x.redistribute(placements=[Replicate()] * mesh.ndim)); see dtorch.ops.coverage() "
-            f"for the functions with rules, or gather with .to_torch() to use plain torch")
     constants = _has_plain_tensors((args, kwargs))
     if constants and not generic.all_replicate(tensors):
         _reject_plain_tensors((args, kwargs))
@@ -293,6 +287,8 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
                   for i, a in enumerate(args))
     tkwargs = {k: _targ(v, k, counter) for k, v in kwargs.items()}
     flat = _flatten_targs((targs, tkwargs))
+    if entry is None and not generic.all_replicate(tensors):
+        entry = _derived_or_raise(func, name, targs, tkwargs)
     mesh = flat[0].mesh
     for t in flat[1:]:
         if t.mesh != mesh:
@@ -307,7 +303,24 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
     except PlacementError:
         if not generic.all_replicate(flat):
             raise
-        return _store(key, _replicated_plan(func, targs, tkwargs, flat, mesh))
+    except value_shapes.ValueDependentShape:  # x[x > 0], torch.where(x > 0)
+        if not generic.all_replicate(flat):
+            raise value_shapes.refusal(name, flat) from None
+    return _store(key, _replicated_plan(func, targs, tkwargs, flat, mesh))
+
+
+def _derived_or_raise(func, name, targs, tkwargs):
+    """The rule derived from torch's op metadata (:mod:`dtorch.ops.derived`), or raise."""
+    entry = derived.derived_entry(func, targs, tkwargs, to_meta(targs), to_meta(tkwargs))
+    if entry is not None:
+        return entry
+    if value_shapes.shape_depends_on_values(func, targs, tkwargs):
+        raise value_shapes.refusal(name, _flatten_targs((targs, tkwargs)))
+    raise UnsupportedOpError(
+        f"{name} has no dtorch placement rule for sharded or Partial inputs, so it cannot "
+        f"run on these DTensors. It runs when every DTensor input is Replicate "
+        f"(x.redistribute(placements=[Replicate()] * mesh.ndim)); see dtorch.ops.coverage() "
+        f"for the functions with rules, or gather with .to_torch() to use plain torch")
 
 
 def _ruled_plan(entry, func, targs, tkwargs, flat, mesh) -> Plan:
@@ -409,6 +422,8 @@ def _infer(fn, targs, tkwargs):
         cpu_error = _cpu_error(fn, targs, tkwargs)
         if cpu_error is not None:
             raise cpu_error from None
+        if value_shapes.shape_depends_on_values(fn, targs, tkwargs):
+            raise value_shapes.ValueDependentShape() from None
         raise
 
 

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -87,12 +88,27 @@ _NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("F", F), ("linalg", 
 
 
 def display_name(func) -> str:
-    """``torch.add``, ``Tensor.add``, ``F.softmax``: how messages and coverage name a callable."""
+    """``torch.add``, ``Tensor.add``, ``F.softmax``, ``special.erfcx``: how messages and
+    coverage name a callable."""
+    name = getattr(func, "__name__", None)
     for prefix, ns in _NAMESPACES:
-        name = getattr(func, "__name__", None)
         if name and getattr(ns, name, None) is func:
             return f"{prefix}.{name}"
+    found = _by_identity().get(id(func))  # torch.special.erfcx is named "special_erfcx"
+    if found is not None:
+        return found
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+
+
+@functools.lru_cache(maxsize=1)
+def _by_identity() -> dict:
+    """``{id(callable): "special.erfcx"}`` over the public names of the namespaces."""
+    out = {}
+    for prefix, ns in (*_NAMESPACES, ("fft", torch.fft)):
+        for attr in dir(ns):
+            if not attr.startswith("_"):
+                out.setdefault(id(getattr(ns, attr, None)), f"{prefix}.{attr}")
+    return out
 
 
 def _resolve(name_or_func) -> list:
