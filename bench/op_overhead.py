@@ -21,6 +21,11 @@ controller records one node per op; the ranks keep each op's local graph), and t
 through those 500 nodes (``chain(x).sum().backward()``, no collective on either side), each
 beside PyTorch DTensor doing the same and, controller only, beside plain torch.
 
+Derived-rule rows (controller only, information): 500 calls of ``torch.special.erfcx`` (its
+rule derived from torch's pointwise tag on the first call, :mod:`dtorch.ops.derived`) beside
+500 calls of ``torch.erf`` (a hand-written rule), on the same ``Shard(0)`` tensor, repeated
+calls and first calls (the plan cache cleared before each).
+
 Rows labelled *controller only* time what dtorch's controller thread spends (issuing the ops
 and shipping the batch, pickling included), which is what a notebook cell waits for before it
 can go on; they have no target, and their reference is the same ops in plain torch in one
@@ -131,6 +136,39 @@ def plain_torch(repeats: int) -> dict:
 
 
 # dtorch -------------------------------------------------------------------------------------------
+def unary_chain(fn, x):
+    for _ in range(CHAIN_OPS):
+        x = fn(x)
+    return x
+
+
+def controller_unary(c, x, repeats: int) -> dict:
+    """``{"derived", "hand", "derived_first", "hand_first": Timing}``: controller seconds per
+    call of ``special.erfcx`` (derived rule) and ``erf`` (hand-written), cached and first."""
+    import torch
+
+    import dtorch
+    from dtorch.ops import clear_cache
+    fns = {"derived": torch.special.erfcx, "hand": torch.erf}
+    runs = {k: [] for k in (*fns, *(f"{k}_first" for k in fns))}
+    for name, fn in fns.items():
+        unary_chain(fn, x)  # warm
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            dtorch.synchronize()
+            t0 = time.perf_counter()
+            unary_chain(fn, x)
+            c.flush()
+            runs[name].append((time.perf_counter() - t0) / CHAIN_OPS)
+            dtorch.synchronize()
+            clear_cache()
+            t0 = time.perf_counter()
+            fn(x)
+            runs[f"{name}_first"].append(time.perf_counter() - t0)
+    dtorch.synchronize()
+    return {k: summarize(v) for k, v in runs.items()}
+
+
 def measure(repeats: int) -> dict:
     """``{name: Timing}``: dtorch's ``chain``/``mlp`` end to end and ``chain_ctrl``/``mlp_ctrl``
     (controller only), the reference's ``ref_chain``/``ref_mlp``."""
@@ -191,6 +229,9 @@ def measure(repeats: int) -> dict:
                          lambda: {"ref_chain_grad": ref.ask("chain_grad")},
                          lambda: timed("chain_grad", *work["chain_grad"]),
                          lambda: {"ref_backward": ref.ask("backward")}, timed_backward)
+        got.update({f"unary_{k}": v for k, v in controller_unary(c, x, repeats).items()})
+        want = torch.special.erfcx(torch.special.erfcx(x0))
+        assert torch.allclose(torch.special.erfcx(torch.special.erfcx(x)).to_torch(), want)
         loss = chain(xg).sum()
         xg.grad = None
         loss.backward()
@@ -235,6 +276,15 @@ def run(quick: bool = False) -> list[Row]:
                   got["ref_backward"], None,
                   f"info: {got['backward'].median / CHAIN_OPS * 1e6:.1f} us/node vs PyTorch "
                   f"DTensor {got['ref_backward'].median / CHAIN_OPS * 1e6:.1f} us/node"),
+        Row.timed("controller only: a call with a derived rule (special.erfcx), cached",
+                  got["unary_derived"], got["unary_hand"], None,
+                  f"reference: a hand-written rule (torch.erf), same tensor; "
+                  f"{got['unary_derived'].median * 1e6:.1f} vs "
+                  f"{got['unary_hand'].median * 1e6:.1f} us/call"),
+        Row.timed("controller only: first call of a derived rule (plan cache cleared)",
+                  got["unary_derived_first"], got["unary_hand_first"], None,
+                  "reference: the first call of torch.erf; the derived rule also traces the "
+                  "call's aten ops on meta"),
         Row.timed("controller only: cost per backward node (chain)",
                   per_op(got["backward_ctrl"]), per_op(plain["backward"]), None,
                   "dtorch's controller walking the graph and issuing one Backward per node vs "

@@ -1,14 +1,17 @@
 """PyTorch's OpInfo database on DTensors: every op in ``op_db`` (its first 3 float32 cpu
-samples) on 4 ranks, once with every tensor Replicate and once with the first tensor input
-``Shard(0)``, compared with the same call on plain torch.
+samples) on 4 ranks, in three modes: every tensor Replicate, the first tensor input
+``Shard(0)``, and the first tensor input sharded on its last dim; each result compared with
+the same call on plain torch.
 
-Each (op, configuration) ends in one category: ``ok`` (every sample gives torch's result),
+Each sample ends in one category, and so does each (op, mode), by its worst sample: ``ok`` (every sample gives torch's result),
 ``differs``, ``placement-refused`` (``PlacementError``: no rule fits and nothing moves
 automatically), ``unsupported`` (``dtorch.ops.UnsupportedOpError``, e.g. random ops),
 ``other-exception`` or ``timeout``; ops with random or uninitialized results (``RANDOM``,
 ``has_nondeterministic_output``) run but are not compared. The contract: no op differs, hangs
 or raises anything else, and with all-Replicate inputs at least 95% of the deterministic ops
-give torch's result. The ops that still refuse, and why, are the table in docs/ops.md, which
+give torch's result. Samples are counted too, with the collectives each issued
+(``CommDebugMode``): a sample that runs with none is what PyTorch's DTensor counts as
+communication-free. The ops that still refuse, and why, are the tables in docs/ops.md, which
 this file regenerates when run as a script::
 
     .venv/bin/python tests/test_op_db.py        # ~3 minutes: 4 local ranks
@@ -37,7 +40,9 @@ from dtorch.ops import UnsupportedOpError
 
 SAMPLES = 3
 OP_TIMEOUT_S = 30
-CONFIGS = ("replicate", "shard0")
+CONFIGS = ("replicate", "shard0", "shardlast")
+LABELS = {"replicate": "all Replicate", "shard0": "first input Shard(0)",
+          "shardlast": "first input sharded on its last dim"}
 CATEGORIES = ("ok", "differs", "placement-refused", "unsupported", "other-exception", "timeout")
 WORST_FIRST = ("timeout", "differs", "other-exception", "unsupported", "placement-refused", "ok")
 # OpInfo names whose results are random draws (torch.testing flags only the uninitialized ones)
@@ -53,12 +58,15 @@ START, END = "<!-- op_db:start -->", "<!-- op_db:end -->"
 
 
 class Outcome(NamedTuple):
-    """One (op, configuration): its category, the first message that decided it, whether
-    its values were compared (False for random / uninitialized results)."""
+    """One (op, configuration) or one sample: its category, the first message that decided
+    it, whether its values were compared (False for random / uninitialized results); for an
+    op, its samples' outcomes; for a sample, the collectives its call issued."""
 
     category: str
     reason: str
     compared: bool
+    samples: tuple = ()
+    collectives: int = 0
 
 
 class OpTimeout(BaseException):
@@ -136,16 +144,18 @@ def cloned(sample):
 
 def distributed(sample, mesh, config):
     """``(input, args, kwargs)`` with every tensor a DTensor: Replicate, except the first
-    tensor with a dim under ``shard0`` (None when it has none: nothing to shard)."""
+    tensor, sharded on dim 0 under ``shard0`` and on its last dim under ``shardlast`` (None
+    when it has no dim: nothing to shard)."""
     leaves, spec = pytree.tree_flatten(cloned(sample))
     tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-    shard = None
-    if config == "shard0":
+    shard, dim = None, 0
+    if config != "replicate":
         if leaves[tensors[0]].dim() == 0:
             return None
         shard = tensors[0]
+        dim = 0 if config == "shard0" else leaves[shard].dim() - 1
     for i in tensors:
-        placements = [Shard(0)] if i == shard else [Replicate()]
+        placements = [Shard(dim)] if i == shard else [Replicate()]
         leaves[i] = dtorch.distribute_tensor(leaves[i], mesh, placements)
     return pytree.tree_unflatten(leaves, spec)
 
@@ -188,8 +198,21 @@ def classify(exc: BaseException) -> str:
 
 
 def first_line(exc: BaseException) -> str:
+    """The exception's first line; for a PlacementError, and the collective its fix costs."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:220]
+    line = f"{type(exc).__name__}: {text[0] if text else ''}"[:220]
+    if isinstance(exc, PlacementError):
+        line += f" [fix: {fix_collective(str(exc))}]"
+    return line
+
+
+def fix_collective(message: str) -> str:
+    """What the first fix of a PlacementError message moves (its ``# all_gather`` note)."""
+    for line in message.splitlines():
+        if line.strip().startswith("fix:"):
+            _, sep, cost = line.partition("   # ")
+            return cost.strip() if sep else "redistribute"
+    return "no fix named"
 
 
 # one op ------------------------------------------------------------------------------------------
@@ -218,15 +241,18 @@ def _run_config(op, samples, mesh, config) -> Outcome:
             parts = distributed(sample, mesh, config)
             if parts is None:
                 continue
-            got = call(op, parts)
-            pending.append((got, expected, _fetch(got), not random_sample(op, sample)))
+            with dtorch.CommDebugMode() as comm:
+                got = call(op, parts)
+            pending.append((got, expected, _fetch(got), not random_sample(op, sample),
+                            comm.get_total_counts()))
         except BaseException as exc:  # noqa: BLE001 - OpTimeout too: it is what we classify
             if isinstance(exc, KeyboardInterrupt):
                 raise
             outcomes.append(Outcome(classify(exc), first_line(exc), True))
     compare = is_compared(op)
-    for got, expected, futures, drawn_alike in pending:
-        outcomes.append(_check(got, expected, futures, compare and drawn_alike))
+    for got, expected, futures, drawn_alike, collectives in pending:
+        outcomes.append(_check(got, expected, futures, compare and drawn_alike)._replace(
+            collectives=collectives))
     del pending, got  # frees this op's DTensors now, so a failed free is this op's error
     if any(o.category == "other-exception" for o in outcomes):
         gc.collect()  # a remote error's traceback holds the DTensors in a cycle
@@ -234,7 +260,9 @@ def _run_config(op, samples, mesh, config) -> Outcome:
     if not outcomes:
         return Outcome("skipped", "no sample torch runs", False)
     worst = min(outcomes + [sync], key=lambda o: WORST_FIRST.index(o.category))
-    return Outcome(worst.category, worst.reason, compare)
+    if sync.category != "ok":  # an error only synchronize saw: the op's, not one sample's
+        outcomes = [o if o.category != "ok" else sync for o in outcomes]
+    return Outcome(worst.category, worst.reason, compare, tuple(outcomes))
 
 
 def _fetch(got) -> list:
@@ -316,11 +344,32 @@ def run_all(mesh, ops=None) -> dict:
 
 
 def summary(results: dict) -> dict:
-    """``{config: Counter(category)}``; random / uninitialized ops counted apart."""
+    """``{config: Counter(category)}`` over ops; random / uninitialized ops counted apart."""
     out = {c: collections.Counter() for c in CONFIGS}
     for (_, config), o in results.items():
         key = o.category if o.compared or o.category == "skipped" else f"{o.category} (not compared)"
         out[config][key] += 1
+    return out
+
+
+SAMPLE_KEYS = ("ok, no communication", "ok, planned collectives", "differs",
+               "placement-refused", "unsupported", "other-exception", "timeout", "not compared")
+
+
+def sample_key(o: Outcome) -> str:
+    if not o.compared:
+        return "not compared"
+    if o.category == "ok":
+        return "ok, planned collectives" if o.collectives else "ok, no communication"
+    return o.category
+
+
+def sample_summary(results: dict) -> dict:
+    """``{config: Counter(sample key)}`` over every sample (see :data:`SAMPLE_KEYS`)."""
+    out = {c: collections.Counter() for c in CONFIGS}
+    for (_, config), o in results.items():
+        for s in o.samples:
+            out[config][sample_key(s)] += 1
     return out
 
 
@@ -331,27 +380,37 @@ def ok_fraction(results: dict, config: str) -> float:
 
 def docs_section(results: dict) -> str:
     """The markdown between the op_db markers of docs/ops.md."""
+    samples = sample_summary(results)
+    lines = ["", f"Generated by `.venv/bin/python tests/test_op_db.py` (op_db of torch "
+             f"{torch.__version__.split('+')[0]}, first {SAMPLES} float32 cpu samples, 4 ranks).",
+             "", "Samples (random or uninitialized results: not compared):", "",
+             "| inputs | " + " | ".join(SAMPLE_KEYS) + " |", "| --- |" + " --- |" * len(SAMPLE_KEYS)]
+    for config in CONFIGS:
+        lines.append(f"| {LABELS[config]} | " + " | ".join(str(samples[config][k])
+                                                          for k in SAMPLE_KEYS) + " |")
     counts = summary(results)
     keys = sorted({k for c in counts.values() for k in c},
                   key=lambda k: (k not in CATEGORIES, CATEGORIES.index(k) if k in CATEGORIES
                                  else 0, k))
-    lines = ["", f"Generated by `.venv/bin/python tests/test_op_db.py` (op_db of torch "
-             f"{torch.__version__.split('+')[0]}, first {SAMPLES} float32 cpu samples, 4 ranks).",
-             "", "| inputs | " + " | ".join(keys) + " |", "| --- |" + " --- |" * len(keys)]
+    lines += ["", "Ops, by their worst sample:", "",
+              "| inputs | " + " | ".join(keys) + " |", "| --- |" + " --- |" * len(keys)]
     for config in CONFIGS:
-        label = "all Replicate" if config == "replicate" else "first input Shard(0)"
-        lines.append(f"| {label} | " + " | ".join(str(counts[config][k]) for k in keys) + " |")
+        lines.append(f"| {LABELS[config]} | " + " | ".join(str(counts[config][k]) for k in keys)
+                     + " |")
     lines += ["", "With all-Replicate inputs, these ops do not give torch's result:", "",
               "| op | outcome | why |", "| --- | --- | --- |"]
     for (name, config), o in sorted(results.items()):
         if config == "replicate" and o.category not in ("ok", "skipped"):
             outcome = o.category + ("" if o.compared else " (random: not compared)")
             lines.append(f"| `{name}` | {outcome} | {_cell(o.reason)} |")
-    lines += ["", "With the first input `Shard(0)`, grouped by reason (a PlacementError names the "
-              "redistribute that makes the op legal):", "",
-              "| outcome | why | ops |", "| --- | --- | --- |"]
-    for (category, why), names in _grouped(results, "shard0"):
-        lines.append(f"| {category} | {_cell(why)} | " + ", ".join(f"`{n}`" for n in names) + " |")
+    for config in CONFIGS[1:]:
+        lines += ["", f"With the {LABELS[config]}, the ops some sample of which does not run, "
+                  f"grouped by reason (a PlacementError names the redistribute that makes the "
+                  f"op legal, and the collective that costs):", "",
+                  "| outcome | why | ops |", "| --- | --- | --- |"]
+        for (category, why), names in _grouped(results, config):
+            lines.append(f"| {category} | {_cell(why)} | " + ", ".join(f"`{n}`" for n in names)
+                         + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -366,7 +425,8 @@ def _grouped(results, config):
 def _generic_reason(o: Outcome) -> str:
     """The reason without the op's own name, so ops refused alike share a row."""
     if o.category == "placement-refused":
-        return "PlacementError: no placement rule fits the sharded input"
+        cost = re.search(r"\[fix: (.*)\]$", o.reason)
+        return f"PlacementError; the fix costs: {cost.group(1) if cost else 'no fix named'}"
     text = re.sub(r"^(\w+Error: )?[\w.:]+(\(\))?: ", r"\1", o.reason)
     text = re.sub(r"^(\w+Error: )?[\w.:]+ has no", r"\1has no", text)
     return text.split(". ")[0].split("; ")[0].rstrip(".")
@@ -402,8 +462,9 @@ def test_all_replicate_inputs_give_torchs_result(results):
     assert ok_fraction(results, "replicate") >= 0.95
 
 
-def test_first_input_sharded_never_differs_hangs_or_crashes(results):
-    assert _failures(results, "shard0") == {}
+@pytest.mark.parametrize("config", CONFIGS[1:])
+def test_sharded_inputs_never_differ_hang_or_crash(results, config):
+    assert _failures(results, config) == {}
 
 
 def test_timed_hands_pytest_timeouts_timer_back():

@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .binary import broadcast_rule
+from .generic import picklable
 from .registry import Entry, OpCall, TArg, as_decision, display_name, lookup
 
 # aten ops that are elementwise though torch does not tag them pointwise
@@ -95,7 +96,9 @@ def pointwise_rule(op):
     """The broadcasting rule over every top-level DTensor argument; no Partial operand."""
     operands = [(i, a) for i, a in enumerate(op.args) if type(a) is TArg]
     operands += [(k, v) for k, v in op.kwargs.items() if type(v) is TArg]
-    decision = broadcast_rule(op, operands, "none", inplace=_inplace(op))
+    fn = picklable(op.func)  # an aten OpOverload travels by name
+    decision = broadcast_rule(op, operands, "none", fn=None if fn is op.func else fn,
+                              inplace=_inplace(op))
     n = len(op.out.shapes)
     return decision._replace(placements=decision.placements * n)
 
