@@ -60,7 +60,8 @@ def topk_kernel(block, offsets, dims, k, largest):
     with values that never win (-inf / NaN, which sorts last) and the index BIG."""
     d = dims[0]
     kk = min(k, block.shape[d])
-    values, j = torch.topk(block, kk, d, largest=largest, sorted=True)
+    values, j = torch.sort(block, dim=d, descending=largest, stable=True)  # ties: first
+    values, j = values.narrow(d, 0, kk), j.narrow(d, 0, kk)
     pad = list(block.shape)
     pad[d] = k - kk
     if largest or not block.dtype.is_floating_point:
