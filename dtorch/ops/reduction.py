@@ -5,9 +5,15 @@ Per mesh dim: a Shard on a kept dim moves to that dim's output index; a Shard on
 dim leaves a pending reduction: ``sum -> Partial("sum")``, ``amax``/``max`` (no dim) ->
 ``Partial("max")``, ``amin``/``min`` -> ``Partial("min")``, ``mean -> Partial("avg")`` when
 every rank holds the same number of elements of the reduced dims (otherwise each rank sums and
-divides by the global count: ``Partial("sum")``), ``norm(p=inf) -> Partial("max")``. Ops whose
-result cannot be combined from per-rank results (``prod argmax std var logsumexp``,
-``max(dim)`` with indices, a scan along a sharded dim) raise. Example::
+divides by the global count: ``Partial("sum")``), ``norm(p=inf) -> Partial("max")``.
+Along a sharded dim (no Partial input), ``max``/``min`` with ``dim``, ``argmax``/``argmin``,
+``topk``/``kthvalue`` (while ``k x blocks < n / 2``), ``logsumexp``, ``var``/``std`` (and
+``_mean``), every vector ``norm`` and ``cumsum``/``cumprod`` never reach these rules: they
+run as composites that gather per-block candidates only (``registry.decomposed`` in
+:mod:`~dtorch.ops.sharded_reductions`, :mod:`~dtorch.ops.sharded_moments`,
+:mod:`~dtorch.ops.sharded_scans`). What is left raises here: ``prod``, ``median``, ``any``/
+``all``, ``sort``, ``cummax``/``logcumsumexp`` along a sharded dim, these ops on Partial
+inputs they do not commute with, and ``topk``/``kthvalue`` with a large ``k``. Example::
 
     >>> reduced_dims(None, 3), reduced_dims(-1, 3), reduced_dims((0, 2), 3)
     ((0, 1, 2), (2,), (0, 2))
