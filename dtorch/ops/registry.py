@@ -88,6 +88,8 @@ _NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("F", F), ("linalg", 
 
 def display_name(func) -> str:
     """``torch.add``, ``Tensor.add``, ``F.softmax``: how messages and coverage name a callable."""
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name.replace("::", ".")
     for prefix, ns in _NAMESPACES:
         name = getattr(func, "__name__", None)
         if name and getattr(ns, name, None) is func:
