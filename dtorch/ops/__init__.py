@@ -17,6 +17,7 @@ from . import (attention, binary, cast, compare, concat, elementwise, embedding,
                softmax)
 from . import dropout  # noqa: F401 - dropout in training (registry.decomposed)
 from . import sharded_reductions, sharded_moments, sharded_scans  # noqa: F401 - along a sharded dim
+from . import conv_pool, losses_more, nn_local  # noqa: F401 - batch-local families
 from .dispatch import UnsupportedOpError, clear_cache
 from .registry import lookup
 

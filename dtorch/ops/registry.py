@@ -90,6 +90,8 @@ _NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("F", F), ("linalg", 
 def display_name(func) -> str:
     """``torch.add``, ``Tensor.add``, ``F.softmax``, ``special.erfcx``: how messages and
     coverage name a callable."""
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name.replace("::", ".")
     name = getattr(func, "__name__", None)
     for prefix, ns in _NAMESPACES:
         if name and getattr(ns, name, None) is func:
