@@ -485,6 +485,23 @@ def test_timed_ends_a_hung_call(monkeypatch):
     assert signal.getitimer(signal.ITIMER_REAL)[0] > 0  # pytest-timeout's timer is armed again
 
 
+def plans_collectives(op) -> bool:
+    """Whether dtorch may plan collectives for this OpInfo's callable: a composite (attention:
+    its collectives are its algorithm) or a call re-expressed as DTensor ops
+    (``registry.decomposed``: loss reductions, reductions along a sharded dim)."""
+    from dtorch.ops import registry
+    entry = registry.lookup(op.op)
+    return op.op in registry.DECOMPOSED or (entry is not None and entry.family == "attention")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_only_composites_issue_collectives(results, config):
+    by_name = {full_name(op): op for op in runnable_ops()}
+    talking = {name for (name, c), o in results.items() if c == config
+               and any(s.collectives for s in o.samples)}
+    assert {name for name in talking if not plans_collectives(by_name[name])} == set()
+
+
 def test_docs_table_is_current(results):
     assert docs_section(results) in DOC.read_text(), (
         "docs/ops.md's op_db table is stale: .venv/bin/python tests/test_op_db.py")
