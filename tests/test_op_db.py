@@ -488,10 +488,13 @@ def test_timed_ends_a_hung_call(monkeypatch):
 def plans_collectives(op) -> bool:
     """Whether dtorch may plan collectives for this OpInfo's callable: a composite (attention:
     its collectives are its algorithm) or a call re-expressed as DTensor ops
-    (``registry.decomposed``: loss reductions, reductions along a sharded dim)."""
+    (``registry.decomposed``: loss reductions, reductions along a sharded dim), or a
+    ``torch.masked`` function (Python code calling such ops: ``masked.cumsum`` calls
+    ``torch.cumsum``)."""
     from dtorch.ops import registry
     entry = registry.lookup(op.op)
-    return op.op in registry.DECOMPOSED or (entry is not None and entry.family == "attention")
+    return (op.op in registry.DECOMPOSED or (entry is not None and entry.family == "attention")
+            or getattr(op.op, "__module__", "").startswith("torch.masked"))
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -137,7 +137,8 @@ def gathered(t, dims):
 def flatten_dims(t, dims):
     """``t`` with ``dims`` moved last and flattened into one: ``(*other dims, n)``."""
     moved = t.movedim(tuple(dims), tuple(range(t.ndim - len(dims), t.ndim)))
-    return moved.reshape(*moved.shape[:t.ndim - len(dims)], -1)
+    kept = moved.shape[:t.ndim - len(dims)]
+    return moved.reshape(*kept, math.prod(moved.shape[t.ndim - len(dims):]))  # -1: ambiguous at 0
 
 
 def reduced_shape(shape, dims, keepdim: bool, width: int = 1) -> list[int]:
