@@ -156,7 +156,7 @@ def norm_along_shard(func, args, kwargs):
     if p == float("-inf"):
         return a.amin(dims, keepdim=keepdim)
     if p == 0:
-        return (x != 0).to(a.dtype).sum(dims, keepdim=keepdim)
+        return a.sign().sum(dims, keepdim=keepdim)  # 0 or 1 each: differentiable, as torch's
     if p == 1:
         return replicated(a.sum(dims, keepdim=keepdim))
     if p == 2:
