@@ -25,7 +25,10 @@ other. Example::
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import value_shapes
 
 from .binary import broadcast_rule
 from .generic import picklable
@@ -157,3 +160,21 @@ def copy_base(func):
         return None
     tagged = any(torch.Tag.view_copy in getattr(packet, o).tags for o in packet.overloads())
     return base if tagged else None
+
+
+def derived_or_raise(func, name, targs, tkwargs) -> Entry:
+    """The derived Entry for a call without a hand-written rule on sharded or Partial
+    inputs; else the PlacementError of a value-dependent op, or UnsupportedOpError."""
+    from ..errors import UnsupportedOpError
+    from .infer import to_meta
+    entry = derived_entry(func, targs, tkwargs, to_meta(targs), to_meta(tkwargs))
+    if entry is not None:
+        return entry
+    if value_shapes.shape_depends_on_values(func, targs, tkwargs):
+        leaves = pytree.tree_leaves((targs, tkwargs), is_leaf=lambda v: type(v) is TArg)
+        raise value_shapes.refusal(name, [t for t in leaves if type(t) is TArg])
+    raise UnsupportedOpError(
+        f"{name} has no dtorch placement rule for sharded or Partial inputs, so it cannot "
+        f"run on these DTensors. It runs when every DTensor input is Replicate "
+        f"(x.redistribute(placements=[Replicate()] * mesh.ndim)); see dtorch.ops.coverage() "
+        f"for the functions with rules, or gather with .to_torch() to use plain torch")

@@ -288,7 +288,7 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
     tkwargs = {k: _targ(v, k, counter) for k, v in kwargs.items()}
     flat = _flatten_targs((targs, tkwargs))
     if entry is None and not generic.all_replicate(tensors):
-        entry = _derived_or_raise(func, name, targs, tkwargs)
+        entry = derived.derived_or_raise(func, name, targs, tkwargs)
     mesh = flat[0].mesh
     for t in flat[1:]:
         if t.mesh != mesh:
@@ -307,20 +307,6 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
         if not generic.all_replicate(flat):
             raise value_shapes.refusal(name, flat) from None
     return _store(key, _replicated_plan(func, targs, tkwargs, flat, mesh))
-
-
-def _derived_or_raise(func, name, targs, tkwargs):
-    """The rule derived from torch's op metadata (:mod:`dtorch.ops.derived`), or raise."""
-    entry = derived.derived_entry(func, targs, tkwargs, to_meta(targs), to_meta(tkwargs))
-    if entry is not None:
-        return entry
-    if value_shapes.shape_depends_on_values(func, targs, tkwargs):
-        raise value_shapes.refusal(name, _flatten_targs((targs, tkwargs)))
-    raise UnsupportedOpError(
-        f"{name} has no dtorch placement rule for sharded or Partial inputs, so it cannot "
-        f"run on these DTensors. It runs when every DTensor input is Replicate "
-        f"(x.redistribute(placements=[Replicate()] * mesh.ndim)); see dtorch.ops.coverage() "
-        f"for the functions with rules, or gather with .to_torch() to use plain torch")
 
 
 def _ruled_plan(entry, func, targs, tkwargs, flat, mesh) -> Plan:

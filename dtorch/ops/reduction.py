@@ -31,6 +31,7 @@ from ..layout import local_shape
 from ..placement import Partial, Replicate, Shard
 from .explain import with_dim
 from .registry import Decision, rule
+from .sharded_blocks import identity
 
 R = Replicate()
 _OF = {"sum": "sum", "nansum": "sum", "mean": "avg", "nanmean": "avg", "amax": "max",
@@ -130,15 +131,6 @@ def reduce_or_identity(name, identity, dims, keepdim, x):
     return getattr(torch, name)(x, dims, keepdim)
 
 
-def _identity(kind, dtype):
-    if dtype.is_floating_point:
-        return float("-inf") if kind == "max" else float("inf")
-    if dtype is torch.bool:
-        return kind == "min"
-    info = torch.iinfo(dtype)
-    return info.min if kind == "max" else info.max
-
-
 @rule("sum", "nansum", family="reduction", arg_names=("input", "dim", "keepdim"))
 def sum_rule(op):
     x, dims, keepdim = _dims_keepdim(op)
@@ -171,7 +163,7 @@ def _extreme(kind, name):
         placements = reduce_placements(op, x, dims, keepdim, kind)
         if _has_empty(x, dims):
             return Decision((placements,), reduce_or_identity,
-                            (name, _identity(kind, x.dtype), dims, keepdim, x), {})
+                            (name, identity(kind, x.dtype), dims, keepdim, x), {})
         return placements
     rule_fn.__name__ = f"{name}_rule"
     return rule_fn

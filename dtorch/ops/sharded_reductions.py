@@ -196,37 +196,46 @@ def _candidates_k(func, x, k, d):
     return grid
 
 
+def _k_call(func, args, kwargs):
+    """``(x, k, d, flag)`` of a ``topk``/``kthvalue`` call along a sharded dim (``flag``: the
+    4th parameter, ``largest`` / ``keepdim``), or None when it is not one."""
+    x, k = args[0] if args else kwargs.get("input"), _arg(args, kwargs, 1, "k")
+    if not isinstance(x, DTensor) or x.ndim == 0 or not isinstance(k, int):
+        return None
+    d = _arg(args, kwargs, 2, "dim", -1) % x.ndim
+    if not _along_shard(x, (d,)):
+        return None
+    torch_check(func, x, args, kwargs)
+    name = "largest" if func in (torch.topk, torch.Tensor.topk) else "keepdim"
+    return x, k, d, bool(_arg(args, kwargs, 3, name, name == "largest"))
+
+
+def _gathered_candidates(func, x, k, d, largest):
+    """The k best of every block along ``d``, gathered (values, global indices)."""
+    grid = _candidates_k(func, x, k, d)
+    values, indices = dispatch(block_reduce, None, (x, topk_kernel, (d,), grid, k, k, largest))
+    return gathered(values, (d,)), gathered(indices, (d,))
+
+
 @decomposed(torch.topk, torch.Tensor.topk)
 def topk_along_shard(func, args, kwargs):
     """``topk(x, k, dim, largest, sorted)`` along a sharded dim (see module doc)."""
-    x, k = args[0] if args else kwargs.get("input"), _arg(args, kwargs, 1, "k")
-    if not isinstance(x, DTensor) or x.ndim == 0 or not isinstance(k, int):
+    call = _k_call(func, args, kwargs)
+    if call is None:
         return NotImplemented
-    d = _arg(args, kwargs, 2, "dim", -1) % x.ndim
-    if not _along_shard(x, (d,)):
-        return NotImplemented
-    torch_check(func, x, args, kwargs)
-    largest = bool(_arg(args, kwargs, 3, "largest", True))
-    grid = _candidates_k(func, x, k, d)
-    values, indices = dispatch(block_reduce, None, (x, topk_kernel, (d,), grid, k, k, largest))
-    values, indices = gathered(values, (d,)), gathered(indices, (d,))
+    x, k, d, largest = call
+    values, indices = _gathered_candidates(func, x, k, d, largest)
     return torch.return_types.topk(dispatch(pick_topk, None, (values, indices, d, k, largest)))
 
 
 @decomposed(torch.kthvalue, torch.Tensor.kthvalue)
 def kthvalue_along_shard(func, args, kwargs):
     """``kthvalue(x, k, dim, keepdim)`` along a sharded dim: the k smallest per block."""
-    x, k = args[0] if args else kwargs.get("input"), _arg(args, kwargs, 1, "k")
-    if not isinstance(x, DTensor) or x.ndim == 0 or not isinstance(k, int):
+    call = _k_call(func, args, kwargs)
+    if call is None:
         return NotImplemented
-    d = _arg(args, kwargs, 2, "dim", -1) % x.ndim
-    if not _along_shard(x, (d,)):
-        return NotImplemented
-    torch_check(func, x, args, kwargs)
-    keepdim = bool(_arg(args, kwargs, 3, "keepdim", False))
-    grid = _candidates_k(func, x, k, d)
-    values, indices = dispatch(block_reduce, None, (x, topk_kernel, (d,), grid, k, k, False))
-    values, indices = gathered(values, (d,)), gathered(indices, (d,))
+    x, k, d, keepdim = call
+    values, indices = _gathered_candidates(func, x, k, d, False)
     return torch.return_types.kthvalue(dispatch(pick_kth, None,
                                                 (values, indices, d, k, keepdim)))
 
