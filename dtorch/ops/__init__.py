@@ -16,6 +16,7 @@ from . import (attention, binary, cast, compare, concat, elementwise, embedding,
                indexing, like, loss_parallel, losses, matmul, meta_ops, norm, reduction, shape,
                softmax)
 from . import dropout  # noqa: F401 - dropout in training (registry.decomposed)
+from . import dim_local, index_local  # noqa: F401 - ops along a dim other than the sharded one
 from .dispatch import UnsupportedOpError, clear_cache
 from .registry import lookup
 
