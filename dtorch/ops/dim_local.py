@@ -12,7 +12,7 @@ and the labels of each output. Example::
 
     >>> promoted(1, 2), promoted(2, 3), promoted(4, 3)
     ((1,), (0, 1), (0, 1, 2, 3))
-    >>> kept((0, None, 'd2'), 1)
+    >>> kept(('d0', None, 'd2'), 1)
     ('d0', 'd2')
 """
 
@@ -185,7 +185,13 @@ def sum_to_size_spec(op, b):
     lead = x.ndim - len(size)
     lx = tuple(f"d{k}" if k >= lead and size[k - lead] == x.shape[k] else None
                for k in range(x.ndim))
-    return operands(b, {"input": lx}), [lx[lead:]]
+    return operands(b, {"input": lx}), [lx[lead:]], sum_to_local, (x, tuple(size)), {}
+
+
+def sum_to_local(x, size):
+    """Local kernel: ``x.sum_to_size(size)`` with each kept dim at this rank's block size."""
+    lead = x.ndim - len(size)
+    return x.sum_to_size(tuple(1 if s == 1 else x.shape[lead + i] for i, s in enumerate(size)))
 
 
 def unfold_spec(op, b):

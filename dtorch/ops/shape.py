@@ -362,7 +362,11 @@ def roll_rule(op):
     dims = _as_dims(dims, x.ndim)
     shifts = (shifts,) * len(dims) if isinstance(shifts, int) else tuple(shifts)
     moved = tuple(d for d, s in zip(dims, shifts) if x.shape[d] and s % x.shape[d])
-    return _dims_untouched(op, x, moved, "rolls")
+    placements = _dims_untouched(op, x, moved, "rolls")
+    if len(moved) == len(dims):
+        return placements
+    local = tuple(s if d in moved else 0 for d, s in zip(dims, shifts))  # a block's own size
+    return Decision((placements,), torch.roll, (x, local, dims), {})    # differs: shift 0
 
 
 def repeat_counts(input, repeats=None, dim=None, *, output_size=None):
