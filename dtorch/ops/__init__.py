@@ -18,6 +18,7 @@ from . import (attention, binary, cast, compare, concat, elementwise, embedding,
 from . import dropout  # noqa: F401 - dropout in training (registry.decomposed)
 from . import sharded_reductions, sharded_moments, sharded_scans  # noqa: F401 - along a sharded dim
 from . import conv_pool, losses_more, nn_local  # noqa: F401 - batch-local families
+from . import dim_local, index_local  # noqa: F401 - ops along a dim other than the sharded one
 from .dispatch import UnsupportedOpError, clear_cache
 from .registry import lookup
 

@@ -93,7 +93,9 @@ def view_placements(op, x: TArg, outs) -> list:
 # ops that cut along a dim given as an argument: (position, keyword, default) of that dim
 _CUT_DIM = {"narrow": (1, "dim", None), "select": (1, "dim", None), "split": (2, "dim", 0),
             "chunk": (2, "dim", 0), "unbind": (1, "dim", 0), "tensor_split": (2, "dim", 0),
-            "split_with_sizes": (2, "dim", 0), "vsplit": (None, None, 0)}
+            "split_with_sizes": (2, "dim", 0), "vsplit": (None, None, 0),
+            "unsafe_split": (2, "dim", 0), "unsafe_chunk": (2, "dim", 0),
+            "unsafe_split_with_sizes": (2, "dim", 0), "dsplit": (None, None, 2)}
 
 
 def _cut_dim(op, x):
@@ -151,8 +153,9 @@ def _positions_prep(*where):
 
 
 @rule("transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis", "unsqueeze",
-      "split", "chunk", "unbind", "hsplit", "vsplit",
-      "split_with_sizes", "diagonal", "adjoint", family="shape", arg_names=("input",))
+      "split", "chunk", "unbind", "hsplit", "vsplit", "dsplit", "unsafe_split", "unsafe_chunk",
+      "split_with_sizes", "unsafe_split_with_sizes", "diagonal", "adjoint", family="shape",
+      arg_names=("input",))
 def view_rule(op):
     x = op.tensors[0]
     cut = _cut_dim(op, x)
@@ -351,8 +354,19 @@ def flip_rule(op):
 
 @rule("roll", family="shape", arg_names=("input", "shifts", "dims"))
 def roll_rule(op):
+    """A shift that is a multiple of its dim's size (0 too) leaves that dim alone."""
     x = op.tensors[0]
-    return _dims_untouched(op, x, _as_dims(op.arg(2, "dims"), x.ndim), "rolls")
+    dims, shifts = op.arg(2, "dims"), op.arg(1, "shifts")
+    if dims is None:
+        return _dims_untouched(op, x, _as_dims(None, x.ndim), "rolls")
+    dims = _as_dims(dims, x.ndim)
+    shifts = (shifts,) * len(dims) if isinstance(shifts, int) else tuple(shifts)
+    moved = tuple(d for d, s in zip(dims, shifts) if x.shape[d] and s % x.shape[d])
+    placements = _dims_untouched(op, x, moved, "rolls")
+    if len(moved) == len(dims):
+        return placements
+    local = tuple(s if d in moved else 0 for d, s in zip(dims, shifts))  # a block's own size
+    return Decision((placements,), torch.roll, (x, local, dims), {})    # differs: shift 0
 
 
 def repeat_counts(input, repeats=None, dim=None, *, output_size=None):
