@@ -16,6 +16,7 @@ from . import (attention, binary, cast, compare, concat, elementwise, embedding,
                indexing, like, loss_parallel, losses, matmul, meta_ops, norm, reduction, shape,
                softmax)
 from . import dropout  # noqa: F401 - dropout in training (registry.decomposed)
+from . import fft_local, linalg_batched, linalg_dims, matmul_batched  # noqa: F401
 from .dispatch import UnsupportedOpError, clear_cache
 from .registry import lookup
 
