@@ -12,7 +12,7 @@ sharded alike, a Replicate one narrowed. On a 2-D matrix (no batch dim) every Sh
 :class:`dtorch.PlacementError`. Example::
 
     >>> import torch
-    >>> operand_labels([(4, 3, 3), (3, 1)], (2, 1))
+    >>> operand_labels([(4, 3, 3), (4, 3)], (2, 1))
     ([('b0', None, None), ('b0', None)], (4,))
     >>> output_labels([(4, 3), (0,)], (4,))
     [('b0', None), 'empty']
