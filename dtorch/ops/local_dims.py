@@ -86,7 +86,7 @@ def _label_sizes(operands) -> dict:
     for o in operands:
         for lab, s in zip(o.labels, o.targ.shape):
             if lab is not None:
-                sizes[lab] = max(sizes.get(lab, 1), s)
+                sizes[lab] = s if sizes.get(lab, 1) == 1 else sizes[lab]  # 1 broadcasts
     return sizes
 
 

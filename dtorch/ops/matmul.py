@@ -3,10 +3,10 @@
 Every op is read as an einsum over dim labels; per mesh dim:
 
 - all Replicate -> Replicate;
-- the operands that have the sharded label are all ``Shard`` on it (the rest Replicate):
-  a label kept in the output -> ``Shard`` of that output dim (``S(0) @ R -> S(0)``,
-  ``R @ S(1) -> S(1)``, batch dims), a contracted label -> ``Partial("sum")``
-  (``S(1) @ S(0) -> P(sum)``);
+- the operands that have the sharded label are ``Shard`` on it, or Replicate and narrowed
+  locally to the Shard operand's block (``bmm(S(0), R)``): a label kept in the output ->
+  ``Shard`` of that output dim (``S(0) @ R -> S(0)``, ``R @ S(1) -> S(1)``, batch dims), a
+  contracted label -> ``Partial("sum")`` (``S(1) @ S(0) -> P(sum)``, ``dot(S(0), R)``);
 - one operand ``Partial(sum|avg)``, the others Replicate -> the same Partial (linearity).
 
 A bias (``linear``, ``addmm``) must match the product's placement: Shard like the output
@@ -35,7 +35,8 @@ from .registry import Decision, TArg, rule
 
 R = Replicate()
 LEGAL = ("R @ R -> R; S(row) @ R -> S(row); R @ S(col) -> S(col); S(k) @ S(k) -> P(sum) "
-         "(contracted dim); S(batch) @ S(batch) -> S(batch) (a broadcast batch dim stays R); "
+         "(contracted dim); S(batch) @ S(batch) or R -> S(batch) (a broadcast batch dim stays R; a "
+         "Replicate operand is narrowed); "
          "P(sum|avg) @ R or R @ P(sum|avg) -> P(sum|avg)")
 
 
@@ -86,19 +87,25 @@ def parse_einsum(equation: str, ndims):
     return ins, out
 
 
-def einsum_placements(op, operands, out_labels):
-    """Output placements for ``operands`` = ``[(TArg, labels)]`` (see module doc)."""
+def einsum_placements(op, operands, out_labels, narrow=None, bias=None):
+    """Output placements for ``operands`` = ``[(TArg, labels)]`` (see module doc); the
+    Replicate operands to narrow go to ``narrow`` (``{TArg.index: (TArg, target)}``; without
+    it, a Replicate operand beside a Shard on its label raises). A ``bias`` (spanning the
+    output's trailing dims) takes part on the mesh dims where it is a Shard."""
+    extra = [] if type(bias) is not TArg else [(bias, tuple(out_labels)[len(out_labels)
+                                                                        - bias.ndim:])]
     sizes = {}
-    for t, labels in operands:
+    for t, labels in operands + extra:
         for lab, s in zip(labels, t.shape):
-            sizes[lab] = max(sizes.get(lab, 1), s)
+            sizes[lab] = s if sizes.get(lab, 1) == 1 else sizes[lab]  # 1 broadcasts (to 0 too)
     out = []
     for m in range(op.mesh.ndim):
-        out.append(_mesh_dim(op, operands, out_labels, sizes, m))
+        here = operands + [e for e in extra if e[0].placements[m].is_shard()]
+        out.append(_mesh_dim(op, here, out_labels, sizes, m, narrow))
     return tuple(out)
 
 
-def _mesh_dim(op, operands, out_labels, sizes, m):
+def _mesh_dim(op, operands, out_labels, sizes, m, narrow=None):
     pls = [t.placements[m] for t, _ in operands]
     partial = [(t, p) for (t, _), p in zip(operands, pls) if p.is_partial()]
     sharded = [(t, labels, p) for (t, labels), p in zip(operands, pls) if p.is_shard()]
@@ -115,17 +122,8 @@ def _mesh_dim(op, operands, out_labels, sizes, m):
     label = labels0[p0.dim]
     for t, labels in operands:
         for d, lab in enumerate(labels):
-            if lab != label:
-                continue
-            p = t.placements[m]
-            broadcast = t.shape[d] == 1 and sizes[lab] != 1
-            if broadcast and p.is_shard():
-                op.fail(m, LEGAL, {t: with_dim(t.placements, m, R)},
-                        f"{t.label} is sharded on a broadcast dim {d}")
-            if not broadcast and p != Shard(d):
-                op.fail(m, LEGAL, {t: with_dim(t.placements, m, Shard(d))},
-                        f"{t0.label} is sharded on dim {p0.dim}; {t.label} must be sharded on "
-                        f"the matching dim {d}")
+            if lab == label:
+                _check_label(op, t, labels, d, sizes, m, narrow, (t0, p0))
     for t, labels, p in sharded:
         if labels[p.dim] != label:
             want = labels.index(label) if label in labels else None
@@ -134,15 +132,33 @@ def _mesh_dim(op, operands, out_labels, sizes, m):
                     f"{t0.label} and {t.label} are sharded on dims that do not match")
     if label in out_labels:
         return Shard(out_labels.index(label))
-    if list(labels0).count(label) > 1:
-        op.fail(m, LEGAL, {t0: with_dim(t0.placements, m, R)}, "a repeated (diagonal) label")
     return Partial("sum")
 
 
-def bias_decision(op, placements, bias, where, out_shape, base_fn):
-    """Combine a bias with the product's placements (see module doc)."""
-    if bias is None or type(bias) is not TArg:
-        return Decision((placements,))
+def _check_label(op, t, labels, d, sizes, m, narrow, first):
+    """Operand ``t`` has the sharded label at dim ``d``: it must be Shard there, or Replicate
+    (narrowed), or broadcast (size 1, Replicate)."""
+    t0, p0 = first
+    p = t.placements[m]
+    broadcast = t.shape[d] == 1 and sizes[labels[d]] != 1
+    if broadcast and p.is_shard():
+        op.fail(m, LEGAL, {t: with_dim(t.placements, m, R)},
+                f"{t.label} is sharded on a broadcast dim {d}")
+    if labels.count(labels[d]) > 1:
+        op.fail(m, LEGAL, {t0: with_dim(t0.placements, m, R)},
+                f"{t.label} repeats the sharded label (a diagonal)")
+    if not broadcast and p == R and narrow is not None:
+        _, target = narrow.get(t.index, (t, t.placements))
+        narrow[t.index] = (t, with_dim(target, m, Shard(d)))
+    elif not broadcast and p != Shard(d):
+        op.fail(m, LEGAL, {t: with_dim(t.placements, m, Shard(d))},
+                f"{t0.label} is sharded on dim {p0.dim}; {t.label} must be sharded on "
+                f"the matching dim {d}")
+
+
+def bias_target(op, placements, bias, out_shape) -> tuple:
+    """The bias's placements beside the product's (see module doc): a Replicate bias is
+    narrowed to the product's Shard; a mismatch raises."""
     n_o = len(out_shape)
     target = list(bias.placements)
     for m, o in enumerate(placements):
@@ -161,12 +177,41 @@ def bias_decision(op, placements, bias, where, out_shape, base_fn):
                 "Partial('sum') beside a Partial('sum') product",
                 {bias: with_dim(bias.placements, m, want)},
                 f"the product is {o} on this mesh dim, the bias {b}")
-    target = tuple(target)
-    if target == bias.placements:
-        return Decision((placements,))
-    table = narrow_table(bias.shape, bias.mesh, bias.placements, target)
-    return Decision((placements,), sliced_call,
-                    (base_fn, ((where, table),), Coord(op.mesh), *op.args), dict(op.kwargs))
+    return tuple(target)
+
+
+def product_decision(op, operands, out_labels, bias=None, fn=None, args=None, kwargs=None
+                     ) -> Decision:
+    """The Decision of a product of ``operands`` (plus an optional ``bias``): its placements,
+    the Replicate operands narrowed; ``fn``/``args``/``kwargs`` replace the local call."""
+    narrow: dict = {}
+    placements = einsum_placements(op, operands, out_labels, narrow, bias)
+    if type(bias) is TArg:
+        target = bias_target(op, placements, bias, op.out.shapes[0])
+        if target != bias.placements:
+            narrow[bias.index] = (bias, target)
+    return narrowed(op, (placements,), narrow, fn, args, kwargs)
+
+
+def narrowed(op, placements, narrow, fn=None, args=None, kwargs=None) -> Decision:
+    """``Decision(placements)`` whose local call first narrows the ``narrow`` operands."""
+    if not narrow:
+        return Decision(placements, fn, args, kwargs)
+    base_args = op.args if args is None else args
+    base_kwargs = dict(op.kwargs if kwargs is None else kwargs)
+    cuts = []
+    for t, target in narrow.values():
+        table = narrow_table(t.shape, t.mesh, t.placements, target)
+        if table is None:
+            m = next(i for i, (a, b) in enumerate(zip(t.placements, target)) if a != b)
+            op.fail(m, LEGAL, {t: target}, f"{t.label}'s blocks do not contain the blocks it "
+                    f"needs (nested sharding in a different mesh-dim order)")
+        where = next((i for i, a in enumerate(base_args) if a is t), None)
+        if where is None:
+            where = next(k for k, v in base_kwargs.items() if v is t)
+        cuts.append((where, table))
+    return Decision(placements, sliced_call, (fn or op.func, tuple(cuts), Coord(op.mesh),
+                                              *base_args), base_kwargs)
 
 
 @rule("matmul", "__matmul__", "mm", "bmm", "mv", "dot", "inner", "vdot", family="matmul")
@@ -180,7 +225,7 @@ def matmul_rule(op):
         labels, out = (("n", "k"), ("k",)), ("n",)
     else:
         labels, out = matmul_labels(a.ndim, b.ndim)
-    return einsum_placements(op, [(a, labels[0]), (b, labels[1])], out)
+    return product_decision(op, [(a, labels[0]), (b, labels[1])], out)
 
 
 rule(torch.Tensor.__rmatmul__, family="matmul")(matmul_rule)
@@ -188,37 +233,33 @@ rule(torch.Tensor.__rmatmul__, family="matmul")(matmul_rule)
 
 @rule("outer", "ger", family="matmul", arg_names=("input", "vec2"))
 def outer_rule(op):
-    return einsum_placements(op, [(op.args[0], ("i",)), (op.arg(1, "vec2"), ("j",))], ("i", "j"))
+    return product_decision(op, [(op.args[0], ("i",)), (op.arg(1, "vec2"), ("j",))], ("i", "j"))
 
 
 @rule("linear", family="matmul", arg_names=("input", "weight", "bias"))
 def linear_rule(op):
     x, w = op.arg(0, "input"), op.arg(1, "weight")
-    bias = op.arg(2, "bias")
     batch = tuple(f"b{i}" for i in range(x.ndim - 1))
     w_labels = ("m", "k") if w.ndim == 2 else ("k",)
     out = (*batch, "m") if w.ndim == 2 else batch
-    placements = einsum_placements(op, [(x, (*batch, "k")), (w, w_labels)], out)
-    where = "bias" if "bias" in op.kwargs else 2
-    return bias_decision(op, placements, bias, where, op.out.shapes[0], F.linear)
+    return product_decision(op, [(x, (*batch, "k")), (w, w_labels)], out, op.arg(2, "bias"),
+                            fn=F.linear)
 
 
 @rule("addmm", family="matmul", arg_names=("input", "mat1", "mat2"))
 def addmm_rule(op):
     bias, m1, m2 = op.arg(0, "input"), op.arg(1, "mat1"), op.arg(2, "mat2")
-    placements = einsum_placements(op, [(m1, ("n", "k")), (m2, ("k", "m"))], ("n", "m"))
-    where = "input" if "input" in op.kwargs else 0
-    return bias_decision(op, placements, bias, where, op.out.shapes[0], op.func)
+    return product_decision(op, [(m1, ("n", "k")), (m2, ("k", "m"))], ("n", "m"), bias)
 
 
 @rule("einsum", family="matmul", arg_names=("equation",))
 def einsum_rule(op):
     equation = op.args[0]
     tensors = list(op.args[1:])
-    if len(tensors) == 1 and isinstance(tensors[0], (list, tuple)):
+    if len(tensors) == 1 and type(tensors[0]) in (list, tuple):  # (a TArg is a tuple too)
         tensors = list(tensors[0])
     if not all(type(t) is TArg for t in tensors):
         op.fail(None, LEGAL, {}, "einsum operands must all be DTensors")
     ins, out = parse_einsum(equation, [t.ndim for t in tensors])
-    placements = einsum_placements(op, list(zip(tensors, ins)), out)
-    return Decision((placements,), torch.einsum, (equation, *tensors), {})
+    return product_decision(op, list(zip(tensors, ins)), out, fn=torch.einsum,
+                            args=(equation, *tensors), kwargs={})
