@@ -1,6 +1,6 @@
 """Index ops along a dim other than the sharded one: ``gather scatter scatter_add
 scatter_reduce index_select index_add index_copy index_fill index_reduce index_put
-take_along_dim take put masked_scatter masked_select``, run with no communication through
+take_along_dim take put masked_scatter``, run with no communication through
 :mod:`dtorch.ops.local_dims`.
 
 Each op's arguments are bound by its parameter names (``PARAMS``: builtins have no
@@ -9,8 +9,8 @@ dim but ``dim`` is free and shared by ``input``, ``index`` and ``src`` (torch le
 be smaller there, and uses only its first entries: a Shard on such a dim refuses), ``dim``
 itself is mixed, except that an index's ``dim`` lands on the output's (``gather``,
 ``index_select``, ``take_along_dim``: a sharded index with a Replicate input stays sharded).
-Flat-index ops (``take put``) and value-dependent ones (``masked_select``) refuse a sharded
-input; ``masked_scatter`` runs on a sharded input when mask and source are Replicate (each
+Flat-index ops (``take put``) refuse a sharded input (``masked_select``, whose size depends
+on the values, refuses in :mod:`dtorch.ops.value_shapes`); ``masked_scatter`` runs on a sharded input when mask and source are Replicate (each
 rank counts the mask entries before its block). Example::
 
     >>> gather_labels(2, 0, (5, 5), (5, 5))
@@ -50,7 +50,6 @@ PARAMS = {
     "take": ("input", "index"),
     "put": ("input", "index", "source", "accumulate"),
     "masked_scatter": ("input", "mask", "source"),
-    "masked_select": ("input", "mask"),
 }
 
 
@@ -283,23 +282,3 @@ def masked_scatter_block_(x, *args):
 
 rule("masked_scatter_", family="index-local", inplace=True,
      arg_names=PARAMS["masked_scatter"])(masked_scatter_rule)
-
-
-def _masked_select_meta(input, mask, *args, **kwargs):
-    """A stand-in output (the real size depends on the values): the rule refuses anyway, and
-    dispatch runs an all-Replicate call eagerly."""
-    return torch.empty(0, dtype=input.dtype, device="meta")
-
-
-@rule("masked_select", family="index-local", arg_names=PARAMS["masked_select"],
-      meta=_masked_select_meta)
-def masked_select_rule(op):
-    """Always refuses: all-Replicate inputs then run eagerly (dispatch's fallback)."""
-    sharded = [(m, t) for t in op.tensors for m, p in enumerate(t.placements)
-               if not p.is_replicate()]
-    m, t = sharded[0] if sharded else (None, op.tensors[0])
-    op.fail(m, "every operand R (the result is Replicate)",
-            {t: with_dim(t.placements, m, R)} if m is not None else {},
-            "masked_select's result size on each rank depends on the mask's values, not on "
-            "torch.chunk sizes; x.masked_fill(~mask, v) or torch.where(mask, x, v) keeps the "
-            "layout and runs locally")
