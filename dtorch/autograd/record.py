@@ -13,6 +13,7 @@ Partial('max'/'min') in the way of a gradient. Example::
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -234,17 +235,41 @@ def grad_info(key, mask, func, plan, args, kwargs) -> GradInfo:
 
 
 def infer_grad_info(func, plan, args, kwargs, mask) -> GradInfo:
-    """Run ``func`` on meta tensors (those in ``mask`` requiring grad) with autograd on."""
+    """Run ``func`` with autograd on, on meta tensors (those in ``mask`` requiring grad), or on
+    small zero-filled cpu stand-ins where meta has no kernel (``torch.linalg.lstsq``)."""
     from ..ops.registry import display_name
+    fallback = GradInfo(tuple(s.dtype.is_floating_point or s.dtype.is_complex
+                              for s in plan.out_specs),
+                        display_name(func).split(".")[-1].strip("_").capitalize() + "Backward")
+    for device in ("meta", "cpu"):
+        if device == "cpu" and _numel(args, kwargs) > STAND_IN_LIMIT:
+            break
+        try:
+            return _traced_grad_info(func, plan, args, kwargs, mask, device, fallback)
+        except Exception:  # noqa: BLE001 - no kernel here: try the next stand-in
+            continue
+    return fallback  # nothing could run it: floating outputs require grad
+
+
+STAND_IN_LIMIT = 1 << 16  # elements: bigger calls are not run on cpu stand-ins
+
+
+def _numel(args, kwargs) -> int:
+    from ..tensor import DTensor
+    return sum(math.prod(a.shape) for a in pytree.tree_leaves((tuple(args), dict(kwargs)))
+               if isinstance(a, (DTensor, torch.Tensor)))
+
+
+def _traced_grad_info(func, plan, args, kwargs, mask, device, fallback) -> GradInfo:
     from ..tensor import DTensor
     flags = iter(mask)
     inplace = plan.inplace
     position = [0]
-    metas: list = []  # per DTensor input, in order: the meta tensor it became
+    metas: list = []  # per DTensor input, in order: the stand-in tensor it became
 
-    def meta(a):
+    def stand_in(a):
         if isinstance(a, DTensor):
-            t = torch.empty(a.shape, dtype=a.dtype, device="meta")
+            t = torch.zeros(a.shape, dtype=a.dtype, device=device)
             index, position[0] = position[0], position[0] + 1
             if next(flags):
                 t.requires_grad_()
@@ -252,17 +277,11 @@ def infer_grad_info(func, plan, args, kwargs, mask) -> GradInfo:
                     t = t.clone()
             metas.append(t)
             return t
-        if isinstance(a, torch.Tensor) and a.device.type != "meta":
-            return a.to("meta")
+        if isinstance(a, torch.Tensor) and a.device.type != device:
+            return a.to(device)
         return a
-    fallback = GradInfo(tuple(s.dtype.is_floating_point or s.dtype.is_complex
-                              for s in plan.out_specs),
-                        display_name(func).split(".")[-1].strip("_").capitalize() + "Backward")
-    try:
-        margs, mkwargs = pytree.tree_map(meta, (tuple(args), dict(kwargs)))
-        result, packed = versions.saved_by(func, margs, mkwargs)
-    except Exception:  # noqa: BLE001 - meta cannot run it: floating outputs require grad
-        return fallback
+    margs, mkwargs = pytree.tree_map(stand_in, (tuple(args), dict(kwargs)))
+    result, packed = versions.saved_by(func, margs, mkwargs)
     leaves = [r for r in pytree.tree_leaves(result) if isinstance(r, torch.Tensor)]
     if len(leaves) != len(plan.out_specs):
         return fallback
