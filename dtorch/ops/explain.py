@@ -49,15 +49,26 @@ def _mesh_dim_text(mesh, mesh_dim) -> str:
     return f" on mesh dim {mesh_dim}{name}"
 
 
-def _cost(targ, placements) -> str:
+def redistribute_cost(mesh, shape, dtype, current, target) -> str:
+    """The ``   # all_gather`` note of a fix line: the collectives the planner would run."""
     from ..redistribute import plan_redistribute
     try:
-        steps = plan_redistribute(targ.mesh, targ.shape, targ.placements, placements,
-                                  targ.dtype.itemsize)
+        steps = plan_redistribute(mesh, tuple(shape), tuple(current), tuple(target),
+                                  dtype.itemsize)
     except Exception:  # noqa: BLE001 - the hint is best effort
         return ""
     kinds = [s.kind for s in steps if s.is_collective]
     return "   # " + (", ".join(kinds) if kinds else "no data moves (local slice)")
+
+
+def fix_line(label: str, x, target) -> str:
+    """``  fix: x.redistribute(placements=[Replicate()])   # all_gather`` for DTensor ``x``."""
+    return (f"  fix: {label}.redistribute(placements={code_placements(target)})"
+            + redistribute_cost(x.device_mesh, x.shape, x.dtype, x.placements, target))
+
+
+def _cost(targ, placements) -> str:
+    return redistribute_cost(targ.mesh, targ.shape, targ.dtype, targ.placements, placements)
 
 
 def placement_error(op, mesh_dim, legal: str, fix: dict, why: str | None) -> PlacementError:

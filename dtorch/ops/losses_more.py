@@ -29,6 +29,8 @@ from .batch_local import aligned, get, register
 from .generic import all_replicate
 from .losses import reduce_loss, reduction_of
 from ..errors import PlacementError
+from ..placement import Replicate
+from .explain import fix_line
 from .registry import TArg, decomposed
 
 LEGAL = ("the inputs and the targets S(a sample dim), alike -> the loss S(that dim); a class "
@@ -165,10 +167,11 @@ def ctc_refuses(func, args, kwargs):
     tensors = _dtensors(_bind(func, args, kwargs).values())
     if not tensors or all_replicate(tensors):
         return NotImplemented
+    x = next(t for t in tensors if not all(p.is_replicate() for p in t.placements))
     raise PlacementError(
         "F.ctc_loss has no rule for sharded inputs (its per-sample lengths would have to be cut "
-        "alike on every rank). Replicate its inputs first: "
-        "x.redistribute(placements=[Replicate()] * mesh.ndim), or call it on .to_torch() values")
+        "alike on every rank). Replicate its inputs first (or call it on .to_torch() values):\n"
+        + fix_line("x", x, [Replicate()] * x.device_mesh.ndim))
 
 
 __all__ = ["compose", "triplet_with_distance", "gaussian_meta", "row_labels", "KINDS",

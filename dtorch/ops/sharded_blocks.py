@@ -30,7 +30,7 @@ from ..errors import PlacementError
 from ..layout import rank_block
 from ..placement import Replicate, Shard
 from ..runtime.messages import Coord
-from .explain import code_placements
+from .explain import code_placements, fix_line
 from .registry import Decision, rule
 
 R = Replicate()
@@ -167,4 +167,4 @@ def refuse_gather(name: str, x, dims, why: str):
     fix = [R if isinstance(p, Shard) and p.dim in dims else p for p in x.placements]
     raise PlacementError(
         f"{name} on input {code_placements(x.placements)}: {why}. Gather the reduced dim "
-        f"first: x.redistribute(placements={code_placements(fix)})")
+        f"first:\n" + fix_line("x", x, fix))
