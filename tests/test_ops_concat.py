@@ -1,4 +1,5 @@
-"""cat / stack (and the split family): all inputs alike; never along a sharded dim."""
+"""cat / stack (and the split family): all inputs alike, or Replicate beside Shard (narrowed);
+never along a sharded dim."""
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,8 +12,13 @@ R = Replicate()
 
 
 def cat_oracle(pa, pb, dim, stack):
+    """Alike placements, or a Replicate beside a Shard (narrowed to its blocks)."""
+    if pa != pb and any(isinstance(p, Partial) for p in pa + pb):
+        return None
     out = []
     for p, q in zip(pa, pb):
+        if p != q and R in (p, q):
+            p = q = p if isinstance(p, Shard) else q
         if p != q:
             return None
         if isinstance(p, Shard):
@@ -77,3 +83,24 @@ def test_cat_messages(mesh1d):
     assert "tensors[0] [S(0)], tensors[1] [S(1)]" in str(err)
     assert "tensors[1].redistribute(placements=[Shard(0)])" in str(err)
     illegal(lambda: torch.cat([a, a], 0), match="along dim 0, which is sharded")
+
+
+def test_a_replicate_input_beside_shards_is_narrowed(mesh1d, mesh2d):
+    batch = Batch()
+    for rows in (5, 3):  # uneven, and fewer rows than ranks (empty blocks)
+        a, b = torch.randn(rows, 3, dtype=torch.float64), torch.randn(rows, 2, dtype=torch.float64)
+        da, db = dt(a, mesh1d, [Shard(0)]), dt(b, mesh1d, [R])
+        batch.add(no_comm(lambda: torch.cat([db, da, db], 1)), torch.cat([b, a, b], 1),
+                  [Shard(0)])
+        sa, sb = dt(a, mesh2d, [Shard(0), R]), dt(a * 2, mesh2d, [R, Shard(1)])
+        batch.add(no_comm(lambda: torch.stack([sa, sb], 1)), torch.stack([a, a * 2], 1),
+                  [Shard(0), Shard(2)])
+    batch.check()
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
+    dx = dt(x.detach(), mesh1d, [Shard(0)]).requires_grad_()
+    dy = dt(y.detach(), mesh1d, [R]).requires_grad_()
+    (torch.cat([x, y], 1) ** 2).sum().backward()
+    (torch.cat([dx, dy], 1) ** 2).sum().backward()
+    torch.testing.assert_close(dx.grad.to_torch(), x.grad)
+    torch.testing.assert_close(dy.grad.to_torch(), y.grad)

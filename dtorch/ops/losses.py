@@ -37,6 +37,7 @@ from ..placement import Replicate, Shard
 from .binary import broadcast_rule
 from .explain import with_dim
 from .generic import all_replicate
+from .local_dims import Operand, free_labels, local_decision
 from .registry import TArg, decomposed, rule
 
 R = Replicate()
@@ -48,7 +49,8 @@ _SIGNATURES = {f: inspect.signature(f) for f in LOSSES}
 _TENSOR_PARAMS = ("input", "target", "weight", "pos_weight")
 _LEGACY = ("size_average", "reduce")
 CLASS_LEGAL = ("input S(d) (d not the class dim) with target S(the same sample dim) -> "
-               "S(that dim); R with R -> R; weight R; no Partial")
+               "S(that dim), a Replicate input or target narrowed to those samples; R with R "
+               "-> R; weight R; no Partial")
 
 
 def params(func) -> tuple[str, ...]:
@@ -138,39 +140,28 @@ def class_loss_rule(op):
         op.fail(None, CLASS_LEGAL, {}, "the target is not a DTensor beside a sharded input: "
                 "make it one, sharded like the input's batch (dtorch.tensor(t, device_mesh=..., "
                 "placements=[...]))")
-    out = []
     for m in range(op.mesh.ndim):
-        out.append(_class_dim_placement(op, x, t, w, probabilities, m))
-    return tuple(out)
-
-
-def _class_dim_placement(op, x, t, w, probabilities, m):
-    px, pt = x.placements[m], t.placements[m]
-    if w is not None and not w.placements[m].is_replicate():
-        op.fail(m, CLASS_LEGAL, {w: with_dim(w.placements, m, R)},
-                "the class weight must be Replicate")
-    for a, p in ((x, px), (t, pt)):
-        if p.is_partial():
-            op.fail(m, CLASS_LEGAL, {a: with_dim(a.placements, m, R)},
-                    f"{op.name} is not linear in a pending sum")
-    if px.is_replicate() and pt.is_replicate():
-        return R
+        _check_class_dim(op, x, m)
+        if w is not None and not w.placements[m].is_replicate():
+            op.fail(m, CLASS_LEGAL, {w: with_dim(w.placements, m, R)},
+                    "the class weight must be Replicate")
     c = 1 if x.ndim >= 2 else 0
+    x_labels = free_labels(x.ndim, mixed=(c,))
+    t_labels = x_labels if probabilities else x_labels[:c] + x_labels[c + 1:]
+    out = x_labels[:c] + x_labels[c + 1:]
+    labels = {id(x): x_labels, id(t): t_labels, id(w): (None,)}
+    operands = [Operand(where, a, labels[id(a)]) for where, a in _tensor_operands(op)]
+    return local_decision(op, operands, [out], CLASS_LEGAL)
+
+
+def _check_class_dim(op, x, m):
+    """The class dim may not be sharded here: loss parallel (cross_entropy) takes it."""
+    px, c = x.placements[m], 1 if x.ndim >= 2 else 0
     if isinstance(px, Shard) and px.dim == c:
         why = ("the class dim is sharded: loss parallel needs class-index targets, Replicate "
                "on that mesh dim" if op.func is F.cross_entropy else
                "nll_loss over a sharded class dim (F.cross_entropy runs loss parallel there)")
         op.fail(m, CLASS_LEGAL, {x: with_dim(x.placements, m, R)}, why)
-    if isinstance(px, Shard):  # the target must hold the same samples
-        want = px.dim if probabilities else target_dim(px.dim, x.ndim)
-        if pt != Shard(want):
-            op.fail(m, CLASS_LEGAL, {t: with_dim(t.placements, m, Shard(want))},
-                    "the input and the target must hold the same samples")
-    else:  # a sharded target beside a Replicate input
-        want = pt.dim if probabilities or pt.dim == 0 else pt.dim + 1
-        op.fail(m, CLASS_LEGAL, {x: with_dim(x.placements, m, Shard(want))},
-                "the input and the target must hold the same samples")
-    return Shard(target_dim(px.dim, x.ndim))
 
 
 for _f in POINTWISE:
