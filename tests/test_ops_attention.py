@@ -77,3 +77,25 @@ def test_illegal_attention(mesh1d):
     illegal(lambda: F.scaled_dot_product_attention(a, b, c, enable_gqa=True), match="kv heads")
     with pytest.raises(NotImplementedError, match="dropout_p"):  # runs on DTensors alone
         F.scaled_dot_product_attention(q0, K, v0, dropout_p=0.1)
+
+
+def test_a_replicate_query_key_or_value_beside_shards_is_narrowed(mesh1d, mesh2d):
+    batch = Batch()
+    want = F.scaled_dot_product_attention(Q, K, V, is_causal=True)
+    for mesh, pls in ((mesh1d, ([Shard(0)], [R], [R])), (mesh1d, ([R], [Shard(1)], [R])),
+                      (mesh2d, ([Shard(0), Shard(1)], [R, Shard(1)], [Shard(0), R]))):
+        q, k, v = (dt(t, mesh, p) for t, p in zip((Q, K, V), pls))
+        out = no_comm(lambda: F.scaled_dot_product_attention(q, key=k, value=v, is_causal=True))
+        batch.add(out, want, [p for p in pls[0]] if pls[0][0] != R else pls[1], atol=1e-5)
+    batch.check()
+    qt, kt, vt = (t.double().requires_grad_() for t in (Q, K, V))
+    F.scaled_dot_product_attention(qt, kt, vt).sum().backward()
+    q, k, v = (dt(t.detach(), mesh1d, p).requires_grad_()
+               for t, p in zip((qt, kt, vt), ([Shard(0)], [R], [R])))
+    F.scaled_dot_product_attention(q, k, v).sum().backward()
+    for d, t in ((q, qt), (k, kt), (v, vt)):
+        torch.testing.assert_close(d.grad.to_torch(), t.grad)
+    kk = torch.randn(3, 4, 7, 8, generator=g)  # a kv-head count unlike the query's: refused
+    q8, kr = dt(torch.randn(3, 8, 6, 8), mesh1d, [Shard(1)]), dt(kk, mesh1d, [R])
+    illegal(lambda: F.scaled_dot_product_attention(q8, kr, kr, enable_gqa=True),
+            match="Replicate at the same size")

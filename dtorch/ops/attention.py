@@ -4,7 +4,8 @@ Inputs are ``[..., L, E]`` (query) and ``[..., S, E]`` / ``[..., S, Ev]`` (key /
 mesh dim:
 
 - all Replicate -> Replicate;
-- query, key and value all ``Shard(d)`` on the same leading (batch or head) dim -> ``Shard(d)``;
+- query, key and value all ``Shard(d)`` on the same leading (batch or head) dim -> ``Shard(d)``
+  (one of them Replicate at the same size on ``d``: narrowed locally to the others' blocks);
   with grouped-query attention every rank must hold whole groups;
 - a value ``Partial(sum|avg)`` beside Replicate query/key -> that Partial (linear in value);
 - a sharded sequence or feature dim raises, except ``Shard(2)`` on a mesh dim named
@@ -38,7 +39,9 @@ LEGAL = ("R, R, R -> R; S(b), S(b), S(b) -> S(b) for a batch or head dim b; R, R
          "parallelism), the feature dim never")
 
 
-def _qkv_dim(op, q, k, v, m):
+def _qkv_dim(op, q, k, v, m, narrow):
+    """The output's placement on mesh dim ``m``; a Replicate query, key or value beside
+    ``Shard(d)`` ones (same size on ``d``) is narrowed to their blocks (added to ``narrow``)."""
     pls = [t.placements[m] for t in (q, k, v)]
     if any(p.is_partial() for p in pls):
         p = v.placements[m]
@@ -57,11 +60,23 @@ def _qkv_dim(op, q, k, v, m):
         op.fail(m, LEGAL, {t: with_dim(t.placements, m, R)},
                 "the sequence or feature dim is sharded: context parallelism shards the "
                 "sequence (Shard(2)) on a mesh dim named ulysses_cp or ring_cp")
-    for t in (q, k, v):
-        if t.placements[m] != Shard(d):
+    size = next(t.shape[d] for t in (q, k, v) if t.placements[m] == Shard(d))
+    for where, t in zip(_qkv_where(op), (q, k, v)):
+        if t.placements[m] == Shard(d):
+            continue
+        if not (t.placements[m].is_replicate() and t.shape[d] == size):
             op.fail(m, LEGAL, {t: with_dim(t.placements, m, Shard(d))},
-                    f"query, key and value must all be sharded on dim {d}")
+                    f"query, key and value must all be sharded on dim {d} (or Replicate "
+                    f"at the same size there: narrowed locally)")
+        current = narrow.get(where, (t, t.placements))[1]
+        narrow[where] = (t, with_dim(current, m, Shard(d)))
     return Shard(d)
+
+
+def _qkv_where(op) -> tuple:
+    """Where query, key and value sit in the call: their position, or their keyword."""
+    return tuple(name if name in op.kwargs else pos
+                 for pos, name in enumerate(("query", "key", "value")))
 
 
 def _check_groups(op, q, k, out):
@@ -119,9 +134,9 @@ def _local_attention(op, q, k, v):
     """Batch and head sharding (see the module doc); masks Replicate (narrowed locally) or
     sharded like the attention weights."""
     _check_ndims(op, q, k, v)
-    out = tuple(_qkv_dim(op, q, k, v, m) for m in range(op.mesh.ndim))
+    narrow: dict = {}
+    out = tuple(_qkv_dim(op, q, k, v, m, narrow) for m in range(op.mesh.ndim))
     _check_groups(op, q, k, out)
-    narrow = {}
     for where, mask in _masks(op):
         narrow.update(_mask_narrowing(op, q, k, out, where, mask))
     if not narrow:

@@ -74,6 +74,7 @@ def cp_rule(op, q, k, v, mask, dims: dict[str, int]) -> Decision:
     for kind in dims:
         if kind.endswith("2"):
             op.fail(dims[kind], LEGAL, {}, f"the mesh has two {kind[:-1]} dims; use one")
+    narrow: dict = {}
     for mdim in range(q.mesh.ndim):
         if mdim in dims.values():
             for t in (q, k, v):
@@ -81,9 +82,13 @@ def cp_rule(op, q, k, v, mask, dims: dict[str, int]) -> Decision:
                     op.fail(mdim, LEGAL, {t: with_dim(t.placements, mdim, Shard(SEQ))},
                             "context parallelism needs query, key and value all Shard(2) "
                             "on this dim")
-        elif attention._qkv_dim(op, q, k, v, mdim).is_partial():
+        elif attention._qkv_dim(op, q, k, v, mdim, narrow).is_partial():
             op.fail(mdim, LEGAL, {v: with_dim(v.placements, mdim, R)},
                     "a Partial value is not supported with context parallelism")
+        if narrow:
+            t, target = next(iter(narrow.values()))
+            op.fail(mdim, LEGAL, {t: target}, "with context parallelism query, key and value "
+                    "must be sharded alike on the other mesh dims")
     attention._check_groups(op, q, k, q.placements)
     if type(mask) is TArg and any(not p.is_replicate() for p in mask.placements):
         op.fail(next(i for i, p in enumerate(mask.placements) if not p.is_replicate()), LEGAL,
