@@ -96,6 +96,32 @@ def test_eos_stops_rows_like_transformers(live, hf_model, tokens):
     assert torch.equal(model.generate(tokens, 6, eos_token_id=eos, pad_token_id=0), want)
 
 
+def test_generate_takes_transformers_arguments(live, hf_model, tokens):
+    """input_ids=, attention_mask (all ones), do_sample=False, max_length as transformers'
+    generate takes them; sampling, beams and padding raise by name before decoding."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
+    model.load_state_dict(hf_model.state_dict())
+    ones = torch.ones_like(tokens)
+    want = hf_model.generate(input_ids=tokens, attention_mask=ones, do_sample=False,
+                             max_length=tokens.shape[1] + 3)
+    got = model.generate(input_ids=tokens, attention_mask=ones, do_sample=False,
+                         max_length=tokens.shape[1] + 3, num_beams=1)
+    assert torch.equal(got, want)
+    for kwargs, match in (({"do_sample": True}, "greedily"), ({"num_beams": 2}, "num_beams"),
+                          ({"temperature": 0.7, "top_k": 5}, "temperature, top_k"),
+                          ({"max_length": tokens.shape[1]}, "no room"),
+                          ({"max_new_tokens": 0}, "at least 1")):
+        with pytest.raises((NotImplementedError, ValueError), match=match):
+            model.generate(tokens, **kwargs)
+    padded = ones.clone()
+    padded[0, 0] = 0
+    with pytest.raises(NotImplementedError, match="padding"):
+        model.generate(tokens, attention_mask=padded, max_new_tokens=2)
+    with pytest.raises(TypeError, match="prompt once"):
+        model.generate(tokens, input_ids=tokens)
+
+
 def test_tied_embeddings_and_rope_scaling(live, tokens):
     torch.manual_seed(2)
     config = transformers.LlamaConfig(**{**CONFIG, "tie_word_embeddings": True,

@@ -266,11 +266,18 @@ class LlamaForCausalLM(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
     @torch.no_grad()
-    def generate(self, input_ids, max_new_tokens: int, eos_token_id=None, pad_token_id=None):
-        """Greedy decoding with a sharded KV cache; returns ``[batch, seq + new]`` token ids,
-        the same as transformers' ``generate(do_sample=False)`` (finished rows padded)."""
-        ids = torch.as_tensor(input_ids.to_torch() if isinstance(input_ids, DTensor)
-                              else input_ids)
+    def generate(self, inputs=None, max_new_tokens: int | None = None, *, input_ids=None,
+                 attention_mask=None, do_sample: bool = False, max_length: int | None = None,
+                 eos_token_id=None, pad_token_id=None, **sampling):
+        """Greedy decoding with a sharded KV cache, called as transformers' ``generate``:
+        returns ``[batch, seq + new]`` token ids, the same as ``generate(do_sample=False)``
+        (finished rows padded). ``max_new_tokens`` (or ``max_length``; transformers' default
+        ``max_length=20``), ``attention_mask`` (all ones: padding is refused, as in
+        :meth:`forward`), ``eos_token_id``, ``pad_token_id``; sampling and beam search raise."""
+        ids = _generate_inputs(inputs, input_ids)
+        _check_greedy(do_sample, sampling)
+        _check_no_padding(attention_mask)
+        max_new_tokens = _new_tokens(max_new_tokens, max_length, ids.shape[1])
         eos = _ids(eos_token_id if eos_token_id is not None else self.config.eos_token_id)
         pad = pad_token_id if pad_token_id is not None else (
             self.config.pad_token_id if self.config.pad_token_id is not None else
@@ -319,6 +326,48 @@ def _check_no_padding(attention_mask) -> None:
             "LlamaForCausalLM: attention_mask with padding (zeros) is not supported yet; "
             "pass attention_mask=None (or all ones): right-pad the batch (causal attention "
             "never looks ahead) and set the labels of the pads to -100")
+
+
+def _generate_inputs(inputs, input_ids) -> torch.Tensor:
+    """The prompt ``[batch, seq]`` of a ``generate`` call (``inputs`` or ``input_ids=``)."""
+    if (inputs is None) == (input_ids is None):
+        raise TypeError("generate() takes the prompt once: generate(input_ids) or "
+                        "generate(input_ids=...)")
+    ids = inputs if inputs is not None else input_ids
+    ids = torch.as_tensor(ids.to_torch() if isinstance(ids, DTensor) else ids)
+    if ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(ids.shape)}")
+    return ids
+
+
+GREEDY_DEFAULTS = {"num_beams": 1, "num_return_sequences": 1, "use_cache": True}
+
+
+def _check_greedy(do_sample: bool, sampling: dict) -> None:
+    """Only greedy decoding: ``do_sample=True``, beams and sampling knobs raise, by name."""
+    if do_sample:
+        raise NotImplementedError("LlamaForCausalLM.generate decodes greedily only; pass "
+                                  "do_sample=False (or leave it out)")
+    unsupported = sorted(k for k, v in sampling.items() if GREEDY_DEFAULTS.get(k, object()) != v)
+    if unsupported:
+        raise NotImplementedError(
+            f"LlamaForCausalLM.generate does not support {', '.join(unsupported)}: it takes "
+            f"max_new_tokens / max_length, attention_mask, do_sample=False, eos_token_id and "
+            f"pad_token_id (greedy decoding, its own KV cache)")
+
+
+def _new_tokens(max_new_tokens, max_length, prompt_length: int) -> int:
+    """How many tokens to generate: ``max_new_tokens``, else ``max_length`` minus the prompt
+    (transformers' default ``max_length`` is 20)."""
+    if max_new_tokens is not None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+        return int(max_new_tokens)
+    length = 20 if max_length is None else int(max_length)
+    if length <= prompt_length:
+        raise ValueError(f"max_length={length} leaves no room after the {prompt_length}-token "
+                         f"prompt; pass max_new_tokens")
+    return length - prompt_length
 
 
 def _ids(value) -> list[int]:
