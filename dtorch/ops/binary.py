@@ -112,13 +112,34 @@ def elementwise_placements(op, operands, kind, out_shape, scalar=None):
 
 def _partial_dim(op, operands, kind, pl, m, scalar):
     if any(p.is_shard() for p in pl):
-        op.fail(m, _legal(kind), _to_replicate(operands, m, lambda p: p.is_shard()),
+        op.fail(m, _legal(kind), _partial_beside_shard_fixes(op, operands, kind, pl, m, scalar),
                 "a Partial operand beside a Shard operand")
     result = partial_result(kind, pl, scalar)
     if result is None:
         op.fail(m, _legal(kind), _to_replicate(operands, m, lambda p: p.is_partial()),
                 "this op does not commute with the pending reduction of the Partial operand")
     return result
+
+
+def _partial_beside_shard_fixes(op, operands, kind, pl, m, scalar) -> list:
+    """The fixes for mesh dim ``m`` (explain lists them cheapest first by bytes): reduce the
+    Partial operands (reduce_scatter onto the Shard operand's output dim where their shapes
+    allow it, all_reduce), or gather the Shard operands where the Partial algebra then holds."""
+    out_shape = op.out.shapes[0]
+    tensors = [t for _, t in operands if type(t) is TArg]
+    shard = next(t for t in tensors if t.placements[m].is_shard())
+    od = shard.placements[m].dim + len(out_shape) - shard.ndim
+    scatter = {}
+    for t in (t for t in tensors if t.placements[m].is_partial()):
+        d = od - (len(out_shape) - t.ndim)
+        if d >= 0 and t.shape[d] == out_shape[od]:
+            scatter[t] = with_dim(t.placements, m, Shard(d))
+    fixes = [_to_replicate(operands, m, lambda p: p.is_partial())]
+    if len(scatter) == sum(t.placements[m].is_partial() for t in tensors):
+        fixes.insert(0, scatter)
+    if partial_result(kind, [R if p.is_shard() else p for p in pl], scalar) is not None:
+        fixes.append(_to_replicate(operands, m, lambda p: p.is_shard()))
+    return fixes
 
 
 def _to_replicate(operands, m, pick) -> dict:
