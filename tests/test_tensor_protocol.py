@@ -76,6 +76,7 @@ def test_asarray_dtypes_and_copy(mesh1d):
     assert a.dtype == np.int64 and (a == t.numpy()).all()
     b = np.asarray(x, dtype=np.float64)
     assert b.dtype == np.float64 and (b == t.numpy().astype(np.float64)).all()
+    assert x.__array__(np.float32).dtype == np.float32  # the protocol itself (numpy would cast)
     assert (np.array(x, copy=True) == t.numpy()).all()
     assert np.asarray(make(torch.tensor([True, False, True]), mesh1d, (Shard(0),))).tolist() \
         == [True, False, True]
