@@ -142,3 +142,27 @@ def test_ranking_is_by_bytes_then_the_rules_order(m4):
     assert [alt[0][1] for alt in explain.ranked(tie)] == [(Shard(1),), (R,)]
     assert [alt[0][1] for alt in explain.ranked(tie[::-1])] == [(R,), (Shard(1),)]
     assert explain.ranked({x: [(Shard(1),), (R,)]}) == explain.ranked(tie)  # the older form
+
+
+@pytest.mark.parametrize("big", ["other", "input"])
+def test_operands_sharded_on_different_dims(mesh1d, big):
+    """x sharded on dim 0 beside y sharded on dim 1: move either onto the other's dim; the
+    cheaper move is listed first, and either fix gives torch's numbers."""
+    t, u = torch.randn(8, 1), torch.randn(8, 30)  # x broadcasts along dim 1: its fix gathers
+    if big == "input":
+        t, u = torch.randn(9, 30), torch.randn(1, 30)
+    x, y = make(t, mesh1d, (Shard(0),)), make(u, mesh1d, (Shard(1),))
+    err = illegal(lambda: x + y)
+    y_fix = [R] if big == "input" else [Shard(0)]
+    x_fix = [Shard(1)] if big == "input" else [R]
+    lines = {"other": f"other.redistribute(placements={explain.code_placements(y_fix)})",
+             "input": f"input.redistribute(placements={explain.code_placements(x_fix)})"}
+    cheap = "input" if big == "other" else "other"
+    assert [line.split("   #")[0] for line in fix_lines(err)] == \
+        [f"fix: {lines[cheap]}", f"or: {lines[big]}"]
+    listed = listed_bytes(err)
+    assert listed == sorted(listed) and listed[0] < listed[1]
+    assert sorted(listed) == sorted([planned_bytes(x, x_fix), planned_bytes(y, y_fix)])
+    for fixed in (lambda: x.redistribute(placements=x_fix) + y,
+                  lambda: x + y.redistribute(placements=y_fix)):
+        torch.testing.assert_close(fixed().to_torch(), t + u)

@@ -147,9 +147,16 @@ def _to_replicate(operands, m, pick) -> dict:
             if type(t) is TArg and pick(t.placements[m])}
 
 
+def _onto(t, od, out_shape):
+    """The placement that shards ``t`` along output dim ``od`` (Replicate where it broadcasts)."""
+    want = od - (len(out_shape) - t.ndim)
+    return Shard(want) if want >= 0 and t.shape[want] == out_shape[od] else R
+
+
 def _shard_dim(op, tensors, out_shape, m, kind):
     n_o = len(out_shape)
     od = first = None
+    on_od = 0
     for _, t in tensors:
         p = t.placements[m]
         if not isinstance(p, Shard):
@@ -161,12 +168,14 @@ def _shard_dim(op, tensors, out_shape, m, kind):
                     f"{out_shape[d]})")
         if od is None:
             od, first = d, t
-        elif d != od:
-            want = od - (n_o - t.ndim)
-            fix = Shard(want) if want >= 0 and t.shape[want] == out_shape[od] else R
-            op.fail(m, _legal(kind), {t: with_dim(t.placements, m, fix)},
+        elif d != od:  # move t onto od, or (when it is alone there) first onto d
+            fixes = [{t: with_dim(t.placements, m, _onto(t, od, out_shape))}]
+            if on_od == 1:
+                fixes.append({first: with_dim(first.placements, m, _onto(first, d, out_shape))})
+            op.fail(m, _legal(kind), fixes,
                     f"{first.label} is sharded on output dim {od} but {t.label} on output "
                     f"dim {d}")
+        on_od += 1
     return od
 
 
