@@ -27,6 +27,7 @@ from .redistribute import plan_redistribute
 from .runtime import messages as m
 from .runtime import session
 from .runtime.wire import WireFormatError, unpack
+from .tensor_protocol import TensorProtocol
 
 _REPR_MAX_ELEMENTS = 1 << 22
 
@@ -51,8 +52,11 @@ def make_spec(shape, dtype, mesh, placements) -> TensorSpec:
                                                                       len(shape)))
 
 
-class DTensor:
-    """A distributed tensor: ``dtorch.Tensor(torch_tensor, device_mesh=, placements=)``."""
+class DTensor(TensorProtocol):
+    """A distributed tensor: ``dtorch.Tensor(torch_tensor, device_mesh=, placements=)``.
+
+    ``np.asarray``, iteration, ``len``, ``bool``, ``float``, ``int``, ``__index__``: see
+    :mod:`dtorch.tensor_protocol`."""
 
     __slots__ = ("_spec", "_tid", "_controller", "_ag", "_version", "__weakref__")
 
@@ -184,20 +188,6 @@ class DTensor:
 
     def numpy(self):
         return self.to_torch().numpy()
-
-    def __bool__(self) -> bool:
-        return bool(self.to_torch())
-
-    def __float__(self) -> float:
-        return float(self.to_torch())
-
-    def __int__(self) -> int:
-        return int(self.to_torch())
-
-    def __len__(self) -> int:
-        if not self._spec.shape:
-            raise TypeError("len() of a 0-d tensor")
-        return self._spec.shape[0]
 
     def __repr__(self) -> str:
         spec = self._spec

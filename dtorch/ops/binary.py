@@ -112,7 +112,7 @@ def elementwise_placements(op, operands, kind, out_shape, scalar=None):
 
 def _partial_dim(op, operands, kind, pl, m, scalar):
     if any(p.is_shard() for p in pl):
-        op.fail(m, _legal(kind), _to_replicate(operands, m, lambda p: p.is_shard()),
+        op.fail(m, _legal(kind), _partial_beside_shard_fixes(op, operands, kind, pl, m, scalar),
                 "a Partial operand beside a Shard operand")
     result = partial_result(kind, pl, scalar)
     if result is None:
@@ -121,14 +121,42 @@ def _partial_dim(op, operands, kind, pl, m, scalar):
     return result
 
 
+def _partial_beside_shard_fixes(op, operands, kind, pl, m, scalar) -> list:
+    """The fixes for mesh dim ``m`` (explain lists them cheapest first by bytes): reduce the
+    Partial operands (reduce_scatter onto the Shard operand's output dim where their shapes
+    allow it, all_reduce), or gather the Shard operands where the Partial algebra then holds."""
+    out_shape = op.out.shapes[0]
+    tensors = [t for _, t in operands if type(t) is TArg]
+    shard = next(t for t in tensors if t.placements[m].is_shard())
+    od = shard.placements[m].dim + len(out_shape) - shard.ndim
+    scatter = {}
+    for t in (t for t in tensors if t.placements[m].is_partial()):
+        d = od - (len(out_shape) - t.ndim)
+        if d >= 0 and t.shape[d] == out_shape[od]:
+            scatter[t] = with_dim(t.placements, m, Shard(d))
+    fixes = [_to_replicate(operands, m, lambda p: p.is_partial())]
+    if len(scatter) == sum(t.placements[m].is_partial() for t in tensors):
+        fixes.insert(0, scatter)
+    if partial_result(kind, [R if p.is_shard() else p for p in pl], scalar) is not None:
+        fixes.append(_to_replicate(operands, m, lambda p: p.is_shard()))
+    return fixes
+
+
 def _to_replicate(operands, m, pick) -> dict:
     return {t: with_dim(t.placements, m, R) for _, t in operands
             if type(t) is TArg and pick(t.placements[m])}
 
 
+def _onto(t, od, out_shape):
+    """The placement that shards ``t`` along output dim ``od`` (Replicate where it broadcasts)."""
+    want = od - (len(out_shape) - t.ndim)
+    return Shard(want) if want >= 0 and t.shape[want] == out_shape[od] else R
+
+
 def _shard_dim(op, tensors, out_shape, m, kind):
     n_o = len(out_shape)
     od = first = None
+    on_od = 0
     for _, t in tensors:
         p = t.placements[m]
         if not isinstance(p, Shard):
@@ -140,12 +168,14 @@ def _shard_dim(op, tensors, out_shape, m, kind):
                     f"{out_shape[d]})")
         if od is None:
             od, first = d, t
-        elif d != od:
-            want = od - (n_o - t.ndim)
-            fix = Shard(want) if want >= 0 and t.shape[want] == out_shape[od] else R
-            op.fail(m, _legal(kind), {t: with_dim(t.placements, m, fix)},
+        elif d != od:  # move t onto od, or (when it is alone there) first onto d
+            fixes = [{t: with_dim(t.placements, m, _onto(t, od, out_shape))}]
+            if on_od == 1:
+                fixes.append({first: with_dim(first.placements, m, _onto(first, d, out_shape))})
+            op.fail(m, _legal(kind), fixes,
                     f"{first.label} is sharded on output dim {od} but {t.label} on output "
                     f"dim {d}")
+        on_od += 1
     return od
 
 

@@ -205,9 +205,10 @@ class OpCall:
             return self.args[pos]
         return default
 
-    def fail(self, mesh_dim: int | None, legal: str, fix: dict | None = None,
+    def fail(self, mesh_dim: int | None, legal: str, fix: dict | list | None = None,
              why: str | None = None):
-        """Raise PlacementError (see :mod:`dtorch.ops.explain` for the format)."""
+        """Raise PlacementError (see :mod:`dtorch.ops.explain` for the format). ``fix`` is
+        ``{targ: placements}``, or a list of such dicts: alternatives, listed cheapest first."""
         from .explain import placement_error
         raise placement_error(self, mesh_dim, legal, fix or {}, why)
 
