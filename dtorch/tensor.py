@@ -16,6 +16,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import comm_debug, layout
@@ -421,6 +422,10 @@ _OPERANDS = (DTensor, int, float, bool, complex, torch.Tensor)
 
 def _binary_dunder(func):
     def dunder(self, other):
+        if isinstance(other, np.ndarray):  # as torch does: the array as a tensor, no gather
+            other = torch.as_tensor(other)
+        elif isinstance(other, np.generic):
+            other = other.item()
         if not isinstance(other, _OPERANDS):
             return NotImplemented
         return _dispatch(func, None, (self, other))

@@ -41,6 +41,7 @@ class TensorProtocol:
     """The dunder methods of the Python and NumPy protocols (see the module doc)."""
 
     __slots__ = ()
+    __array_priority__ = 1000  # as torch.Tensor: ``ndarray + x`` calls x.__radd__, no gather
 
     # NumPy -----------------------------------------------------------------------------------
     def __array__(self, dtype=None, copy=None):

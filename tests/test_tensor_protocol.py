@@ -232,3 +232,20 @@ def test_index(mesh1d):
         expected = torch_error(lambda: range(value))
         x = make(value, mesh1d, (R,))
         sends_nothing(lambda: range(x), type(expected), re.escape(str(expected)))
+
+
+def test_numpy_operands_are_tensors_as_torch_takes_them(mesh1d):
+    """``x + ndarray`` is ``x + torch.as_tensor(ndarray)`` (a constant beside Replicate, the
+    MixedTensorError beside a Shard), never a silent gather into an ndarray; ``ndarray + x``
+    defers to DTensor as torch.Tensor's ``__array_priority__`` makes numpy do."""
+    t, a = torch.randn(4, 3), np.full((4, 3), 2.0, dtype=np.float32)
+    rep = make(t, mesh1d, (R,), 1)
+    got = rep + a
+    assert isinstance(got, dtorch.DTensor) and got.placements == (R,)
+    assert torch.equal(got.to_torch(), t + torch.as_tensor(a))
+    got = rep * np.float32(3)
+    assert isinstance(got, dtorch.DTensor) and torch.equal(got.to_torch(), t * 3)
+    sharded = make(t, mesh1d, (Shard(0),), 1)
+    with pytest.raises(dtorch.MixedTensorError):
+        sharded + a
+    assert type(sharded).__array_priority__ == torch.Tensor.__array_priority__
