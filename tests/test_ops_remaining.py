@@ -344,17 +344,20 @@ def test_linear_cross_entropy_on_a_sharded_batch(mesh1d, n):
 
 
 # refused: the fix and its collective -------------------------------------------------------------
-STATS = []  # batch norm's running stats, made before the call (illegal counts what is sent)
+STATS = []  # other operands, made before the call (illegal counts what is sent)
 
 
 @pytest.mark.parametrize("call", [
     lambda x: torch.cov(x), lambda x: torch.corrcoef(x), lambda x: x.cov(correction=0),
     lambda x: F.pdist(x), lambda x: torch.histogramdd(x, [2, 2, 2]),
-    lambda x: aten._batch_norm_with_update(x, None, None, *STATS, 0.1, 1e-5)])
+    lambda x: aten._batch_norm_with_update(x, None, None, STATS[0], STATS[3], 0.1, 1e-5),
+    lambda x: torch.as_strided_scatter(x, STATS[1], (2, 2), (1, 2)),
+    lambda x: x.resize_(9, 2), lambda x: x.resize_as_(STATS[2])])
 @pytest.mark.parametrize("pl", [[S0], [S1], [Partial("sum")]])
 def test_refusals_name_the_fix_and_its_collective(mesh1d, call, pl):
     x = make(torch.randn(6, 3), mesh1d, pl)
-    STATS[:] = [dt(torch.zeros(3), mesh1d, [R]), dt(torch.ones(3), mesh1d, [R])]
+    STATS[:] = [dt(torch.zeros(3), mesh1d, [R]), dt(torch.ones(2, 2), mesh1d, [R]),
+                dt(torch.ones(9, 2), mesh1d, [R]), dt(torch.ones(3), mesh1d, [R])]
     err = illegal(lambda: call(x), match=r"fix: input\.redistribute\(placements=\[Replicate\(\)\]")
     assert ("all_gather" if pl[0].is_shard() else "all_reduce") in str(err), str(err)
 

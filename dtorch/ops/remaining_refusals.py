@@ -9,7 +9,8 @@ collectives are planned, or refused with the redistribute that makes them legal.
   implementation: a batch-sharded input runs as the losses of :mod:`dtorch.ops.losses`;
 - ``cov``, ``corrcoef``, ``pdist``, ``histogramdd`` and training batch norm
   (``_batch_norm_with_update``) pair every row with every other or need the whole batch's
-  statistics: a ``PlacementError`` names the Replicate fix and the all_gather it costs. With
+  statistics; ``as_strided_scatter``, ``resize_`` and ``resize_as_`` address the whole
+  storage: a ``PlacementError`` names the Replicate fix and the all_gather it costs. With
   every input Replicate they run as any op does.
 
 Each is taken only when some DTensor input is not Replicate. Example::
@@ -136,6 +137,10 @@ _REFUSED = (
      "it pairs every row with every other row"),
     (("histogramdd",), ("input", "bins", "range", "weight", "density"), "every input R",
      "each point needs all its coordinates, and the bins without a range span the data"),
+    (("as_strided_scatter",), ("input", "src", "size", "stride", "storage_offset"),
+     "every input R", "the strides address the whole tensor's storage, not a rank's block"),
+    (("resize_", "resize_as_"), ("input", "size"), "every input R",
+     "resizing reinterprets the whole tensor's storage in a new shape"),
 )
 for _names, _params, _legal, _why in _REFUSED:
     rule(*_names, family="refused (needs communication)", arg_names=_params, meta=any_meta)(
