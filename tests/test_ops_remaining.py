@@ -288,11 +288,14 @@ def test_histc_with_a_range_is_a_partial_sum(mesh1d, mesh2d, n):
 def test_dist_is_a_norm_with_planned_collectives(mesh1d, mesh2d, n):
     x, y = torch.randn(n, 4), torch.randn(n, 4)
     batch = Batch()
-    for p in (2, 1, 3.5, 0, float("inf"), float("-inf")):
+    # a root of a sum of powers: one all_reduce; p = 0, inf, -inf: a Partial, reduced when read
+    for p, counts, pl in ((2, 1, R), (1, 1, R), (3.5, 1, R), (0, 0, Partial("sum")),
+                          (float("inf"), 0, Partial("max")), (float("-inf"), 0, Partial("min"))):
+        xs, yr = dt(x, mesh1d, [S0]), dt(y, mesh1d, [R])
         with dtorch.CommDebugMode() as mode:
-            got = torch.dist(dt(x, mesh1d, [S0]), dt(y, mesh1d, [R]), p)
-        batch.add(got, torch.dist(x, y, p), rtol=1e-5, atol=1e-5)
-        assert mode.get_total_counts() <= 1, mode.get_comm_counts()
+            got = torch.dist(xs, yr, p)
+        batch.add(got, torch.dist(x, y, p), [pl], rtol=1e-5, atol=1e-5)
+        assert mode.get_comm_counts() == ({"all_reduce": 1} if counts else {}), p
     got = dt(x, mesh2d, [S0, S1]).dist(dt(y[0], mesh2d, [R, S0]))
     batch.add(got, x.dist(y[0]), rtol=1e-5, atol=1e-5)
     batch.check()
@@ -315,7 +318,10 @@ def test_equal_returns_torch_bool(mesh1d, mesh2d):
         assert got is torch.equal(a, y), (pa, pb)
     x2 = x.clone()
     x2[4, 2] += 1  # differs on the last rank only
-    assert dt(x, mesh1d, [S0]).equal(dt(x2, mesh1d, [S0])) is False
+    a, b = dt(x, mesh1d, [S0]), dt(x2, mesh1d, [S0])
+    with dtorch.CommDebugMode() as mode:
+        assert a.equal(b) is False
+    assert mode.get_comm_counts() == {"all_reduce": 1}  # the count of differences
     xp, xs = make(x, mesh1d, [Partial("sum")]), dt(x, mesh1d, [S0])
     illegal(lambda: torch.equal(xp, xs))
 
@@ -341,6 +347,9 @@ def test_linear_cross_entropy_on_a_sharded_batch(mesh1d, n):
     F.linear_cross_entropy(dx, dw, dt(t, mesh1d, [S0])).backward()
     torch.testing.assert_close(dx.grad.to_torch(), xg.grad)
     torch.testing.assert_close(dw.grad.to_torch(), wg.grad)
+    xl, wr, tr = dt(x, mesh1d, [S1]), dt(w, mesh1d, [R]), dt(t, mesh1d, [R])
+    illegal(lambda: F.linear_cross_entropy(xl, wr, tr),
+            match=r"(?s)F\.linear_cross_entropy.*in_features.*Shard\(0\)\]\)   # all_to_all")
 
 
 # refused: the fix and its collective -------------------------------------------------------------

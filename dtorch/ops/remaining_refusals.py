@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..placement import Replicate
+from ..placement import Replicate, Shard
 from ..tensor import DTensor
 from .explain import with_dim
 from .registry import decomposed, rule
@@ -82,6 +82,7 @@ def linear_cross_entropy_as_losses(func, args, kwargs):
     x, w, target, bias = a["input"], a["linear_weight"], a["target"], a["linear_bias"]
     if not _sharded(x, w, target, bias, a["weight"]):
         return NotImplemented
+    _refuse_sharded_features(x, w)
     out_features = tuple(w.shape[1:-1])
     num_classes, in_features = w.shape[0], w.shape[-1]
     if out_features:
@@ -94,6 +95,30 @@ def linear_cross_entropy_as_losses(func, args, kwargs):
     ignore = a["ignore_index"] if a["ignore_index"] is not None else -100
     return F.cross_entropy(logits, batch_aligned(target, logits, x.ndim == 2), weight=a["weight"], reduction=a["reduction"],
                            ignore_index=ignore, label_smoothing=a["label_smoothing"])
+
+
+LCE_LEGAL = "input S(0) (the batch) or R, linear_weight R (or S(0): loss parallel on classes)"
+
+
+def _refuse_sharded_features(x, w) -> None:
+    """The in_features dim sharded would make the logits a Partial that the softmax must
+    reduce: refuse on the controller, naming the input's fix (before anything is sent)."""
+    from types import SimpleNamespace
+    from .explain import placement_error
+    from .registry import TArg
+    for m, p in enumerate(x.placements):
+        if p.is_shard() and p.dim == x.ndim - 1:
+            tx = TArg(0, "input", x._spec)
+            tensors = [tx] + ([TArg(1, "linear_weight", w._spec)] if isinstance(w, DTensor)
+                              else [])
+            op = SimpleNamespace(name="F.linear_cross_entropy", tensors=tensors,
+                                 mesh=x.device_mesh)
+            fix = [with_dim(x.placements, m, R)]
+            if x.ndim == 2:
+                fix.insert(0, with_dim(x.placements, m, Shard(0)))
+            raise placement_error(op, m, LCE_LEGAL, {tx: fix},
+                                  "the in_features dim of input is sharded: the logits would "
+                                  "be partial sums, and the softmax needs them whole")
 
 
 def batch_aligned(target, logits, batched: bool):
