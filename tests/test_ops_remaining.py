@@ -187,6 +187,7 @@ def test_chunk_cat(mesh1d, mesh2d, n):
     local(batch, lambda x, y: torch._chunk_cat([x, y], -1, 2), (a, b), [[S0, S1], [S0, S1]],
           mesh2d, [S0, S1])
     batch.check()
+    # no gradient check: torch has no derivative for _chunk_cat
     a2, b2, a0, b1 = (dt(a, mesh1d, [S2]), dt(b, mesh1d, [S2]), dt(a, mesh1d, [S0]),
                       dt(b, mesh1d, [S1]))
     illegal(lambda: torch._chunk_cat([a2, b2], 2, 3),
@@ -209,6 +210,8 @@ def test_unsafe_masked_index(mesh1d, mesh2d, n):
     local(batch, gather, (x, mask, i0, i1), [[S2]], mesh1d, [S2])  # x's unindexed dim
     local(batch, gather, (x, mask, i0, i1), [[R, S2], [S0, R], [S0, R]], mesh2d, [S0, S2])
     batch.check()
+    grad_check(gather, (x, mask, i0, i1), [[S2]], mesh1d, grad_of=(0,))
+    grad_check(gather, (x, mask, i0, i1), [None, [S0], [S0]], mesh1d, grad_of=(0,))
     args = (dt(x, mesh1d, [S0]), dt(mask, mesh1d, [R]), dt(i0, mesh1d, [R]), dt(i1, mesh1d, [R]))
     illegal(lambda: gather(*args), match="combines values along dim 0")
 
@@ -225,10 +228,11 @@ def test_unsafe_masked_index_put_accumulate(mesh1d, n):
     local(batch, put, (x, mask, i0, i1, v), [[S2], None, None, None, [S2]], mesh1d, [S2])
     local(batch, put, (x, mask, i0, i1, v), [[S2]], mesh1d, [S2])  # values narrowed
     batch.check()
+    grad_check(put, (x, mask, i0, i1, v), [[S2], None, None, None, [S2]], mesh1d, grad_of=(0, 4))
     args = [dt(t, mesh1d, [R]) for t in (x, mask, i0, i1, v)]
     xs, vs = dt(x, mesh1d, [S0]), dt(v, mesh1d, [S0])
     illegal(lambda: put(xs, *args[1:]), match="dim 0")
-    illegal(lambda: put(*args[:4], vs), match="dim 0")  # positions collide
+    illegal(lambda: put(*args[:4], vs), match="combines values along dim 0")  # positions collide
 
 
 # vander, quantile, histc -------------------------------------------------------------------------
