@@ -331,7 +331,7 @@ register(attr(torch, "quantile", "nanquantile") + attr(torch.Tensor, "quantile",
          _quantile, LEGAL, "reduction", ("input", "q", "dim", "keepdim", "interpolation"))
 
 
-# histc ---------------------------------------------------------------------------------------------
+# histc -------------------------------------------------------------------------------------------
 HIST_LEGAL = "input S(d) with min < max given -> P(sum) (each rank counts its block); R -> R; " \
              "no Partial"
 

@@ -93,7 +93,8 @@ def linear_cross_entropy_as_losses(func, args, kwargs):
     if out_features:
         logits = logits.reshape(*x.shape[:-1], num_classes, *out_features)
     ignore = a["ignore_index"] if a["ignore_index"] is not None else -100
-    return F.cross_entropy(logits, batch_aligned(target, logits, x.ndim == 2), weight=a["weight"], reduction=a["reduction"],
+    return F.cross_entropy(logits, batch_aligned(target, logits, x.ndim == 2),
+                           weight=a["weight"], reduction=a["reduction"],
                            ignore_index=ignore, label_smoothing=a["label_smoothing"])
 
 
