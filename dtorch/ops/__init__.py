@@ -20,6 +20,7 @@ from . import sharded_reductions, sharded_moments, sharded_scans  # noqa: F401 -
 from . import conv_pool, losses_more, nn_local  # noqa: F401 - batch-local families
 from . import dim_local, index_local  # noqa: F401 - ops along a dim other than the sharded one
 from . import fft_local, linalg_batched, linalg_dims, matmul_batched  # noqa: F401 - batched linalg, fft
+from . import remaining_local, remaining_refusals  # noqa: F401 - the last local ops; refusals
 from .dispatch import UnsupportedOpError, clear_cache
 from .registry import lookup
 
