@@ -178,7 +178,7 @@ def test_docs_coverage_table_is_current():
 
 def test_no_rule_error_names_op_and_coverage(mesh1d):
     x = dt(torch.randn(4, 4), mesh1d, [Shard(0)])
-    with pytest.raises(dtorch.ops.UnsupportedOpError, match=r"aten::cov.*coverage\(\)"):
+    with pytest.raises(dtorch.ops.UnsupportedOpError, match=r"aten\.cov.*coverage\(\)"):
         torch.ops.aten.cov.default(x)  # torch.cov refuses with the fix; its aten op has no rule
 
 
