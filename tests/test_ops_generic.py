@@ -110,8 +110,9 @@ def test_a_sub_mesh_runs_only_on_its_ranks(mesh2d):
 @pytest.mark.parametrize("call", [
     torch.bernoulli, lambda x: x.uniform_(), lambda x: torch.multinomial(x, 2),
     torch.rand_like, lambda x: F.rrelu(x, training=True)])
-def test_random_ops_raise_clearly_before_anything_is_sent(mesh1d, call):
-    x = dt(torch.rand(3, 4) * 0.8 + 0.1, mesh1d, [R])
+@pytest.mark.parametrize("placement", [R, Shard(0)], ids=["replicate", "shard0"])
+def test_random_ops_raise_clearly_before_anything_is_sent(mesh1d, call, placement):
+    x = dt(torch.rand(3, 4) * 0.8 + 0.1, mesh1d, [placement])
     c = session.get_controller()
     before = c.issued
     with pytest.raises(NotImplementedError, match="random"):  # UnsupportedOpError is one
