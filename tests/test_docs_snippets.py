@@ -1,6 +1,7 @@
 """README.md and docs/*.md as a newcomer reads them: every ```python block runs as written, in
-a fresh namespace, on the session's 4-rank cluster (``dtorch.init`` and ``init_device_mesh``
-inside a snippet return or use the running cluster); what a snippet's comments claim is checked
+a fresh namespace, on the session's 4-rank cluster (``init_device_mesh`` uses it, and
+``dtorch.init(...)`` with arguments it satisfies returns it; a snippet that starts another
+cluster or shuts it down gets the 4-rank one back after it); what a snippet's comments claim is checked
 for the snippets in ``CHECKS``. Every other block is tagged ``bash`` or ``text``. A python block
 that cannot run here starts with ``# not run: <reason>`` (counted, kept rare). Every link points
 inside the repository, at a file (and a heading) that exists; the statements the docs make
@@ -16,6 +17,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
+from dtorch.runtime import session
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -127,13 +129,18 @@ def test_snippet_runs(where, code, live):
     if code.startswith(NOT_RUN):
         pytest.skip(code.splitlines()[0])
     scope: dict = {"__name__": "__snippet__"}
-    exec(compile(code, where, "exec"), scope)
-    dtorch.synchronize()  # an error on a rank is this snippet's failure
-    for key, check in CHECKS.items():
-        if key in code:
-            check(scope)
-    scope.clear()
-    gc.collect()  # its DTensors must not outlive it (a later test may restart the cluster)
+    try:
+        exec(compile(code, where, "exec"), scope)
+        dtorch.synchronize()  # an error on a rank is this snippet's failure
+        for key, check in CHECKS.items():
+            if key in code:
+                check(scope)
+    finally:
+        scope.clear()
+        gc.collect()  # its DTensors must not outlive it (a later test may restart the cluster)
+        if session._controller is not live:  # it started another cluster or shut this one
+            dtorch.shutdown()
+            dtorch.init(n_workers=4)
 
 
 # links ------------------------------------------------------------------------------------
