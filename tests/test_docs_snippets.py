@@ -209,3 +209,15 @@ def test_a_plain_install_ships_every_package():
     found = {".".join(p.parent.relative_to(ROOT).parts)
              for p in (ROOT / "dtorch").rglob("__init__.py")}
     assert found <= listed, f"add to [tool.setuptools] packages: {sorted(found - listed)}"
+
+
+def test_notebook_count_is_current():
+    """"six notebooks": the number the docs say is the number in notebooks/."""
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+             "ten", "eleven", "twelve"]
+    real = len(list((ROOT / "notebooks").glob("*.ipynb")))
+    for page in DOCS:
+        for said in re.findall(r"\b(\w+) notebooks\b", page.read_text()):
+            if said.lower() in words:
+                assert words.index(said.lower()) == real, \
+                    f"{page.name} says {said} notebooks; notebooks/ has {real}"
