@@ -166,8 +166,16 @@ class DTensor(TensorProtocol):
 
     full_tensor = to_torch
 
-    def to_local(self, rank: int) -> torch.Tensor:
-        """The local tensor ``rank`` stores (a Partial shard is its partial value)."""
+    def to_local(self, rank: int | None = None) -> torch.Tensor:
+        """The local tensor ``rank`` stores (a Partial shard is its partial value).
+
+        PyTorch's SPMD ``to_local()`` returns the calling rank's shard; a single controller is
+        no rank, so the rank is required: without one a TypeError lists the mesh's ranks."""
+        if rank is None:
+            raise TypeError(f"DTensor.to_local(rank) needs the rank whose shard to return: the "
+                            f"controller is not a rank; pick one of "
+                            f"{list(self._spec.mesh.ranks)}, or use .to_torch() / "
+                            f".full_tensor() for the global value")
         c = self._live()
         if self._spec.mesh.get_coordinate(rank) is None:
             raise ValueError(f"rank {rank} is not in this tensor's mesh {self._spec.mesh}; "
