@@ -23,6 +23,9 @@ from .factories import (arange, distribute_tensor, empty, from_local, empty_like
 from .graph import Graph
 from .runtime.session import (cluster_info, init, manual_seed, rank_stats, restart, shutdown,
                               synchronize)
+from .parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                       RowwiseParallel, SequenceParallel, distribute_module, loss_parallel,
+                       parallelize_module)
 from torch import (bfloat16, bool, complex64, float16, float32, float64, int8, int16, int32,
                    int64, uint8)
 

@@ -1,0 +1,43 @@
+"""``distribute_module(module, mesh, partition_fn, input_fn, output_fn)``, PyTorch's semantics.
+
+``partition_fn(name, submodule, mesh)`` runs on every submodule (``named_modules()`` order)
+and may set DTensor parameters (``submodule.weight = distribute_tensor(...)``: the module
+already holds DTensors); every parameter and buffer left a torch tensor is then replicated
+(the default when ``partition_fn`` is None). ``input_fn(module, inputs, mesh)`` and
+``output_fn(module, outputs, mesh)`` become forward pre- and post-hooks. Example::
+
+    def shard_rows(name, sub, mesh):
+        if isinstance(sub, torch.nn.Linear):
+            sub.weight = dtorch.distribute_tensor(sub.weight.detach(), mesh, [Shard(0)])
+    distribute_module(model, mesh, shard_rows)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import meta_init
+from .convert import check_same_mesh, replicate_rest, resolve_target, swap_classes
+
+
+def distribute_module(module: torch.nn.Module, device_mesh=None, partition_fn=None,
+                      input_fn=None, output_fn=None) -> torch.nn.Module:
+    """Convert ``module`` in place (see the module docstring); returns it."""
+    if device_mesh is None:
+        from ..graph import mesh_or_default
+        device_mesh = mesh_or_default(None, None)
+    mesh = resolve_target(device_mesh).mesh if not hasattr(device_mesh, "ranks") else device_mesh
+    check_same_mesh(module, mesh)
+    recipes = meta_init.record_inits(module) if partition_fn is None else {}
+    swap_classes(module)
+    if partition_fn is not None:
+        for name, sub in list(module.named_modules()):
+            partition_fn(name, sub, device_mesh)
+        recipes = meta_init.record_inits(module)
+    replicate_rest(module, mesh, recipes)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+    if output_fn is not None:
+        module.register_forward_hook(
+            lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+    return module
