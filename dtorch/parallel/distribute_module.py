@@ -4,7 +4,8 @@
 and may set DTensor parameters (``submodule.weight = distribute_tensor(...)``: the module
 already holds DTensors); every parameter and buffer left a torch tensor is then replicated
 (the default when ``partition_fn`` is None). ``input_fn(module, inputs, mesh)`` and
-``output_fn(module, outputs, mesh)`` become forward pre- and post-hooks. Example::
+``output_fn(module, outputs, mesh)`` become forward pre- and post-hooks. The functions get the
+whole mesh (``mesh["tp"]`` passes its parent: a single controller places tensors on it). Example::
 
     def shard_rows(name, sub, mesh):
         if isinstance(sub, torch.nn.Linear):
@@ -17,7 +18,9 @@ from __future__ import annotations
 import torch
 
 from . import meta_init
-from .convert import check_same_mesh, replicate_rest, resolve_target, swap_classes
+from ..errors import MeshError
+from ..mesh import DeviceMesh, MeshDim
+from .convert import check_same_mesh, replicate_rest, swap_classes
 
 
 def distribute_module(module: torch.nn.Module, device_mesh=None, partition_fn=None,
@@ -26,18 +29,20 @@ def distribute_module(module: torch.nn.Module, device_mesh=None, partition_fn=No
     if device_mesh is None:
         from ..graph import mesh_or_default
         device_mesh = mesh_or_default(None, None)
-    mesh = resolve_target(device_mesh).mesh if not hasattr(device_mesh, "ranks") else device_mesh
+    mesh = device_mesh.mesh if isinstance(device_mesh, MeshDim) else device_mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"device_mesh must be a dtorch.DeviceMesh; got {device_mesh!r}")
     check_same_mesh(module, mesh)
     recipes = meta_init.record_inits(module) if partition_fn is None else {}
     swap_classes(module)
     if partition_fn is not None:
         for name, sub in list(module.named_modules()):
-            partition_fn(name, sub, device_mesh)
+            partition_fn(name, sub, mesh)
         recipes = meta_init.record_inits(module)
     replicate_rest(module, mesh, recipes)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, device_mesh))
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
     if output_fn is not None:
         module.register_forward_hook(
-            lambda mod, inputs, outputs: output_fn(mod, outputs, device_mesh))
+            lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
     return module

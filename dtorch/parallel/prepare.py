@@ -1,9 +1,10 @@
 """Laying out module inputs and outputs: ``PrepareModuleInput`` / ``PrepareModuleOutput``.
 
-``lay_out(x, target, layout, desired)`` is the one conversion every style uses: a torch tensor
-(the global value: one controller) becomes a DTensor with ``layout`` on the plan's mesh dim and
-Replicate elsewhere; a DTensor keeps its placements on the other dims and is redistributed to
-``desired`` on the plan's dim. Example (shard the batch on "dp" before a tp-parallel model)::
+``lay_out(x, target, layout, desired)`` is the one conversion every style uses: a DTensor keeps
+its placements on the other mesh dims and is redistributed to ``desired`` on the plan's dim; a
+torch tensor is the global value (one controller), so it is sent straight in the ``desired``
+layout (Replicate on the other dims), nothing gathered: ``layout`` (PyTorch's "how this rank's
+local tensor is laid out") only says whether to convert it at all. Example (shard the batch on "dp" before a tp-parallel model)::
 
     parallelize_module(model, mesh["dp"], PrepareModuleInput(
         input_layouts=Replicate(), desired_input_layouts=Shard(0)))
@@ -38,8 +39,8 @@ def lay_out(x, target: Target, layout: Placement | None, desired: Placement | No
     if not isinstance(x, torch.Tensor) or layout is None:
         return x
     from ..factories import distribute_tensor
-    placements = target.placements(_norm(layout, x.dim()))
-    return lay_out(distribute_tensor(x, target.mesh, placements), target, None, desired)
+    want = desired if desired is not None else layout
+    return distribute_tensor(x, target.mesh, target.placements(_norm(want, x.dim())))
 
 
 def _as_tuple(layouts):

@@ -9,9 +9,10 @@ sharded between them: the row-parallel matmul's output is ``Partial``, and its
 
 Differences from PyTorch, all from there being one controller:
 
-- a ``torch.Tensor`` input is the *global* value (PyTorch reads it as this rank's local shard):
-  it is laid out by ``input_layouts``; a DTensor input keeps its real placements and is
-  redistributed to the style's desired layout (``input_layouts`` describes torch inputs only);
+- a ``torch.Tensor`` input is the *global* value (PyTorch reads it as this rank's local shard),
+  so it is sent straight in the layout the style wants (no gather); a DTensor input keeps its
+  real placements and is redistributed to that layout: ``input_layouts`` is accepted, and only
+  PyTorch's local tensors needed it;
 - ``use_local_output`` is accepted and ignored: outputs stay DTensors (there is no "this
   rank's" local tensor to hand back);
 - a row-parallel Linear's bias is ``Partial()`` (PyTorch: Replicate): one rank holds it, the
