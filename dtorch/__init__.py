@@ -23,9 +23,6 @@ from .factories import (arange, distribute_tensor, empty, from_local, empty_like
 from .graph import Graph
 from .runtime.session import (cluster_info, init, manual_seed, rank_stats, restart, shutdown,
                               synchronize)
-from .parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                       RowwiseParallel, SequenceParallel, distribute_module, loss_parallel,
-                       parallelize_module)
 from torch import (bfloat16, bool, complex64, float16, float32, float64, int8, int16, int32,
                    int64, uint8)
 
@@ -36,15 +33,21 @@ long = int64
 int = int32
 
 __version__ = "0.1.0"
+_PARALLEL = ("parallelize_module", "distribute_module", "loss_parallel", "ColwiseParallel",
+             "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+             "ParallelStyle")
 
 
 def __getattr__(name: str):
     """``dtorch.relu``, ``dtorch.matmul``, ...: torch functions with a placement rule."""
     if name.startswith("__"):
         raise AttributeError(f"module 'dtorch' has no attribute {name!r}")
-    if name in ("nn", "ops", "random"):
+    if name in ("nn", "ops", "random", "parallel"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
+    if name in _PARALLEL:  # dtorch.parallelize_module, dtorch.ColwiseParallel, ...
+        from . import parallel
+        return getattr(parallel, name)
     from .ops.exports import missing, routed
     func = routed(name)
     if func is None:

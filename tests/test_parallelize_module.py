@@ -16,52 +16,17 @@ import dtorch
 from dtorch import (ColwiseParallel, MeshError, Partial, PlacementError, PrepareModuleInput,
                     PrepareModuleOutput, Replicate, RowwiseParallel, SequenceParallel, Shard,
                     init_device_mesh, parallelize_module)
-from dtorch.parallel import MetaInitError, distribute_module, loss_parallel
+from dtorch.parallel import MetaInitError
 from dtorch.runtime import session
 from ledgers import counted
+from parallelize_support import MLP, MLP_PLAN, check_grads, close, forward_counts
 
 R = Replicate()
-ATOL = 1e-5
 
 
 @pytest.fixture
 def tp4(live):
     return init_device_mesh("cpu", 4, mesh_dim_names=("tp",))
-
-
-class MLP(torch.nn.Module):
-    """Seed 002's MLP: up-projection, ReLU, down-projection."""
-
-    def __init__(self, dim=4, hidden=8, bias=True):
-        super().__init__()
-        self.up = torch.nn.Linear(dim, hidden, bias=bias)
-        self.relu = torch.nn.ReLU()
-        self.down = torch.nn.Linear(hidden, dim, bias=bias)
-
-    def forward(self, x):
-        return self.down(self.relu(self.up(x)))
-
-
-MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
-
-
-def close(d, t, atol=ATOL):
-    got = d.to_torch()
-    assert got.shape == t.shape, (got.shape, t.shape)
-    assert torch.allclose(got, t.detach(), atol=atol), (got - t).abs().max()
-
-
-def forward_counts(model, x):
-    dtorch.synchronize()
-    return counted(lambda: model(x))
-
-
-def check_grads(model, ref, xd, xt):
-    close(xd.grad, xt.grad)
-    grads = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert p.grad is not None, name
-        close(p.grad, grads[name].grad)
 
 
 # (a) seed 002's MLP ------------------------------------------------------------------------------
@@ -138,6 +103,41 @@ def test_embedding_rowwise_and_colwise(tp4):
     out, counts = forward_counts(emb, ids % 7)
     assert counts == {"all_gather": 1}
     close(out, ref_emb(ids % 7))
+
+
+class Tied(torch.nn.Module):
+    def __init__(self, vocab=10, dim=6):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def test_tied_weights_stay_one_dtensor(tp4):
+    torch.manual_seed(12)
+    model = Tied()
+    ref = copy.deepcopy(model)
+    parallelize_module(model, tp4, {"emb": RowwiseParallel(),
+                                    "head": ColwiseParallel(output_layouts=R)})
+    assert model.head.weight is model.emb.weight and model.emb.weight.placements == (Shard(0),)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    ids = torch.tensor([[1, 9, 0], [4, 4, 7]])
+    y, counts = forward_counts(model, ids)
+    assert counts == {"all_reduce": 1, "all_gather": 1}
+    want = ref(ids)
+    close(y, want)
+    (y * y).sum().backward()
+    (want * want).sum().backward()
+    close(model.emb.weight.grad, ref.emb.weight.grad)  # both uses' gradients, summed
+
+
+def test_tied_weights_placed_two_ways_are_refused(tp4):
+    _refused(Tied(), tp4, {"emb": ColwiseParallel(), "head": ColwiseParallel()}, PlacementError,
+             r"head.weight is the same tensor as emb.weight \(tied\), but the plan places it "
+             r"Shard\(dim=1\) as emb.weight and Shard\(dim=0\) as head.weight\. Fix")
 
 
 # (b) a transformer block: heads on tp --------------------------------------------------------------
@@ -370,57 +370,6 @@ def test_wildcard_keys(tp4):
     close(y, ref(x))
 
 
-# distribute_module and loss_parallel -------------------------------------------------------------
-def test_distribute_module_default_replicates_and_hooks_run(mesh2d):
-    torch.manual_seed(9)
-    model = MLP(4, 6)
-    ref = copy.deepcopy(model)
-    seen = []
-
-    def input_fn(mod, inputs, mesh):
-        seen.append(mesh)
-        return tuple(dtorch.distribute_tensor(x, mesh, [Shard(0), R]) for x in inputs)
-
-    def output_fn(mod, out, mesh):
-        return out.redistribute(mesh, [R, R])
-
-    distribute_module(model, mesh2d, input_fn=input_fn, output_fn=output_fn)
-    assert all(p.placements == (R, R) for p in model.parameters())
-    x = torch.randn(4, 4)
-    y, counts = counted(lambda: model(x))
-    assert seen == [mesh2d] and counts == {"all_gather": 1} and y.placements == (R, R)
-    close(y, ref(x))
-
-
-def test_distribute_module_partition_fn(tp4):
-    torch.manual_seed(10)
-    model = MLP(4, 6)
-    ref = copy.deepcopy(model)
-
-    def shard_rows(name, sub, mesh):
-        if name == "up":
-            sub.weight = dtorch.distribute_tensor(sub.weight.detach(), mesh, [Shard(0)])
-
-    distribute_module(model, tp4, shard_rows)
-    assert model.up.weight.placements == (Shard(0),) and model.up.bias.placements == (R,)
-    assert model.up.weight.requires_grad
-    x = torch.randn(2, 4)
-    close(model.up(dtorch.distribute_tensor(x, tp4, [R])), ref.up(x))
-
-
-def test_loss_parallel_is_accepted(tp4):
-    torch.manual_seed(11)
-    head = torch.nn.Linear(4, 10)
-    ref = copy.deepcopy(head)
-    parallelize_module(head, tp4, ColwiseParallel(use_local_output=False))
-    x, target = torch.randn(3, 4), torch.tensor([1, 9, 4])
-    with loss_parallel():
-        logits = head(x)
-        assert logits.placements == (Shard(1),)
-        loss = F.cross_entropy(logits, dtorch.distribute_tensor(target, tp4, [R]))
-    close(loss, F.cross_entropy(ref(x), target))
-
-
 # (g) refusals, raised before anything is sent -----------------------------------------------------
 def _refused(model, mesh, plan, error, match):
     c = session.get_controller()
@@ -464,17 +413,3 @@ def test_mesh_getitem_by_name(m22):
     assert m22["dp"] != sub and m22["dp", "tp"].dim is None and sub == m22["tp"]
     with pytest.raises(MeshError, match="one dim by name"):
         m22["tp", "dp"]
-
-
-# the README's example runs as written ----------------------------------------------------------
-def test_readme_parallelize_example_runs(live):
-    from pathlib import Path
-    import re
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S)
-                 if "parallelize_module" in b)
-    scope: dict = {}
-    exec(compile(block, "README.md", "exec"), scope)
-    assert scope["mode"].get_comm_counts() == {"all_reduce": 1}
-    assert scope["model"].up.weight.placements == (R, Shard(0))
-    assert list(scope["model"].state_dict()) == list(scope["reference"].state_dict())

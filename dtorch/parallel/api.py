@@ -22,7 +22,8 @@ import torch
 from ..errors import PlacementError
 from . import meta_init
 from .base import ParallelStyle
-from .convert import check_same_mesh, replicate_rest, resolve_target, swap_classes
+from .convert import (Conversion, check_same_mesh, check_ties, replicate_rest, resolve_target,
+                      swap_classes)
 from .plan import resolve
 
 
@@ -46,11 +47,12 @@ def parallelize_module(module: torch.nn.Module, device_mesh=None, parallelize_pl
                                  f"{style!r}, not a ParallelStyle (ColwiseParallel(), ...)")
         style._check(sub, path)
     check_same_mesh(module, target.mesh)
-    recipes = meta_init.record_inits(module)
+    check_ties(entries)
+    conv = Conversion(meta_init.record_inits(module))
     swap_classes(module)
     for _, sub, style in entries:
-        style._apply(sub, target, recipes)
-    replicate_rest(module, target.mesh, recipes)
+        style._apply(sub, target, conv)
+    replicate_rest(module, target.mesh, conv)
     return module
 
 

@@ -14,7 +14,7 @@ from .convert import Target, place
 
 
 class ParallelStyle:
-    """Base of the styles: ``_apply(module, target, recipes)`` converts one module in place."""
+    """Base of the styles: ``_apply(module, target, conv)`` converts one module in place."""
 
     src_data_rank: int | None = 0  # accepted (PyTorch's keyword); values come from the module
 
@@ -25,10 +25,10 @@ class ParallelStyle:
     def _check(self, module, path: str) -> None:
         """Raise before anything is sent when this style cannot convert ``module``."""
 
-    def _apply(self, module, target: Target, recipes: dict) -> None:
+    def _apply(self, module, target: Target, conv) -> None:
         for name, on_dim in self._partition(module).items():
             if name in module._parameters or name in module._buffers:
-                place(module, name, target, on_dim, recipes)
+                place(module, name, target, on_dim, conv)
         self._hooks(module, target)
 
     def _hooks(self, module, target: Target) -> None:

@@ -8,7 +8,7 @@ DTensor shard by shard from its own values (``send_streamed``), from a meta tens
 init (``meta_init``), or, already a DTensor, by a redistribute. Example::
 
     swap_classes(model)                     # type(model.fc1).__name__ == "DTorchLinear"
-    place(model.fc1, "weight", target, {target.dim: Shard(0)}, recipes)
+    place(model.fc1, "weight", target, Shard(0), Conversion(meta_init.record_inits(model)))
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..autograd.node import NAMES_CHANGED
-from ..errors import MeshError
+from ..errors import MeshError, PlacementError
 from ..mesh import DeviceMesh, MeshDim
 from ..placement import Replicate
 from ..tensor import DTensor
@@ -97,27 +97,40 @@ def to_dtensor(value, mesh: DeviceMesh, placements, recipe=None) -> DTensor:
     return send_streamed(value.detach(), mesh, placements)
 
 
-def place(module, name: str, target: Target, on_dim, recipes: dict) -> None:
+class Conversion:
+    """One conversion's state: the meta inits recorded, and the DTensor each tensor became, so a
+    tensor two modules share (tied embeddings) stays one DTensor."""
+
+    def __init__(self, recipes: dict):
+        self.recipes = recipes
+        self.made: dict[int, tuple] = {}  # id(old tensor) -> (old tensor, its DTensor)
+
+
+def place(module, name: str, target: Target, on_dim, conv: Conversion) -> None:
     """Replace parameter or buffer ``name`` of ``module`` by a DTensor: ``on_dim`` on the
     plan's dim, Replicate elsewhere (a DTensor keeps its placements on the other dims)."""
     table = module._parameters if name in module._parameters else module._buffers
     value = table[name]
     if value is None:
         return
+    if id(value) in conv.made:  # shared with a module placed before: the same DTensor
+        table[name] = conv.made[id(value)][1]
+        return
     placements = list(target.placements(on_dim))
     if isinstance(value, DTensor) and value.device_mesh == target.mesh:
         for i, p in enumerate(value.placements):
             if i != target.dim:
                 placements[i] = p
-    new = to_dtensor(value, target.mesh, placements, recipes.get(id(value)))
+    new = to_dtensor(value, target.mesh, placements, conv.recipes.get(id(value)))
     if table is module._parameters:
         new.requires_grad_(value.requires_grad and (new.dtype.is_floating_point or
                                                     new.dtype.is_complex))
     table[name] = new
+    conv.made[id(value)] = (value, new)
     NAMES_CHANGED[0] += 1
 
 
-def replicate_rest(root, mesh: DeviceMesh, recipes: dict) -> None:
+def replicate_rest(root, mesh: DeviceMesh, conv: Conversion) -> None:
     """Every parameter and buffer still a torch tensor: Replicate on the whole mesh (PyTorch
     leaves these to the user; a single controller can replicate them itself)."""
     target = Target(mesh, 0)
@@ -125,7 +138,25 @@ def replicate_rest(root, mesh: DeviceMesh, recipes: dict) -> None:
         for table in (module._parameters, module._buffers):
             for name, value in list(table.items()):
                 if isinstance(value, torch.Tensor):
-                    place(module, name, target, Replicate(), recipes)
+                    place(module, name, target, Replicate(), conv)
+
+
+def check_ties(entries) -> None:
+    """A tensor two plan entries share must get one placement from both (before sending)."""
+    seen: dict[int, tuple] = {}
+    for path, module, style in entries:
+        for name, on_dim in style._partition(module).items():
+            value = module._parameters.get(name, module._buffers.get(name))
+            if value is None:
+                continue
+            where = f"{path + '.' if path else ''}{name}"
+            first = seen.setdefault(id(value), (on_dim, where))
+            if first[0] != on_dim:
+                raise PlacementError(
+                    f"{where} is the same tensor as {first[1]} (tied), but the plan places it "
+                    f"{first[0]!r} as {first[1]} and {on_dim!r} as {where}. Fix: give both modules styles that "
+                    f"shard it alike (e.g. RowwiseParallel embedding + ColwiseParallel head: "
+                    f"both Shard(0)), or untie them")
 
 
 def check_same_mesh(root, mesh: DeviceMesh) -> None:

@@ -20,7 +20,7 @@ import torch
 from . import meta_init
 from ..errors import MeshError
 from ..mesh import DeviceMesh, MeshDim
-from .convert import check_same_mesh, replicate_rest, swap_classes
+from .convert import Conversion, check_same_mesh, replicate_rest, swap_classes
 
 
 def distribute_module(module: torch.nn.Module, device_mesh=None, partition_fn=None,
@@ -39,7 +39,7 @@ def distribute_module(module: torch.nn.Module, device_mesh=None, partition_fn=No
         for name, sub in list(module.named_modules()):
             partition_fn(name, sub, mesh)
         recipes = meta_init.record_inits(module)
-    replicate_rest(module, mesh, recipes)
+    replicate_rest(module, mesh, Conversion(recipes))
     if input_fn is not None:
         module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
     if output_fn is not None:

@@ -84,7 +84,7 @@ class PrepareModuleInput(ParallelStyle):
                      for x, lay, want in zip(args, self.input_layouts,
                                              self.desired_input_layouts))
 
-    def _apply(self, module, target: Target, recipes: dict) -> None:
+    def _apply(self, module, target: Target, conv) -> None:
         if self.with_kwargs:
             def pre_kw(mod, args, kwargs):
                 kwargs = {k: lay_out(v, target, self.input_kwarg_layouts.get(k),
@@ -124,7 +124,7 @@ class PrepareModuleOutput(ParallelStyle):
                                              self.desired_output_layouts))
         return done[0] if len(done) == 1 else done
 
-    def _apply(self, module, target: Target, recipes: dict) -> None:
+    def _apply(self, module, target: Target, conv) -> None:
         module.register_forward_hook(lambda mod, args, out: self._prepare(out, target))
 
     def __repr__(self) -> str:
