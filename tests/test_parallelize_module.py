@@ -273,6 +273,16 @@ def test_meta_module_initialised_with_torch_nn_distributions(tp4):
     assert y.shape == (3, 64) and torch.isfinite(y.to_torch()).all()
 
 
+def test_meta_tied_weight_keeps_its_first_owners_init(tp4):
+    with torch.device("meta"):
+        model = Tied(vocab=64, dim=128)
+    parallelize_module(model, tp4, {"emb": RowwiseParallel(), "head": ColwiseParallel()})
+    w = model.head.weight.to_torch()
+    assert model.head.weight is model.emb.weight
+    assert abs(w.std().item() - 1) < 0.05  # the Embedding's N(0, 1), not the Linear's bound
+    assert w.abs().max() > 1
+
+
 def test_meta_parameter_without_an_init_is_refused(tp4):
     class Scale(torch.nn.Module):
         def __init__(self):

@@ -31,6 +31,9 @@ def parallelize_module(module: torch.nn.Module, device_mesh=None, parallelize_pl
                        src_data_rank: int | None = 0) -> torch.nn.Module:
     """Convert ``module`` in place by ``parallelize_plan`` (a style, or {key: style}); returns it.
 
+    No plan (None or {}) replicates every tensor (PyTorch warns and does nothing: its ranks
+    could each keep their own copy; here the module must live on the mesh to meet DTensors).
+
     ``device_mesh`` defaults to the session's default mesh; ``src_data_rank`` is accepted
     (values come from the module itself, sent by the controller).
     """

@@ -120,7 +120,9 @@ def record_inits(root: torch.nn.Module) -> dict[int, Recipe]:
     cannot be replayed (on the controller, before anything is sent)."""
     recipes: dict[int, Recipe] = {}
     for path, module in root.named_modules():
-        tracked = _owned_meta(module)
+        # a tensor shared by two modules (tied) keeps its first owner's init, as when the tie
+        # is made after both modules were built
+        tracked = {k: v for k, v in _owned_meta(module).items() if k not in recipes}
         if not tracked:
             continue
         reset = getattr(module, "reset_parameters", None) or getattr(
