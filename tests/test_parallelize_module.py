@@ -195,6 +195,23 @@ def test_transformer_block_two_all_reduces(tp4, heads):
     check_grads(model, ref, xd, xt)
 
 
+def test_transformer_block_on_dp_tp(mesh2d):
+    torch.manual_seed(13)
+    model = Block(dim=8, heads=2, hidden=6)
+    ref = copy.deepcopy(model)
+    parallelize_module(model, mesh2d, BLOCK_PLAN)
+    parallelize_module(model, mesh2d["dp"], PrepareModuleInput(input_layouts=R,
+                                                               desired_input_layouts=Shard(0)))
+    x = torch.randn(3, 5, 8)  # batch 3 on dp 2: shards of 2 and 1
+    dtorch.synchronize()
+    with dtorch.CommDebugMode() as mode:
+        y = model(x)
+    assert [(r.kind, r.mesh_dim_name) for r in mode.get_comm_records()] == [
+        ("all_reduce", "tp")] * 2
+    assert y.placements == (Shard(0), R)
+    close(y, ref(x))
+
+
 # (c) SequenceParallel norms between tensor-parallel regions ---------------------------------------
 SP_PLAN = {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
            "self_attn.q_proj": ColwiseParallel(input_layouts=Shard(1)),
@@ -271,6 +288,17 @@ def test_meta_module_initialised_with_torch_nn_distributions(tp4):
     assert abs(rest.std().item() - 1) < 0.05 and abs(rest.mean().item()) < 0.05
     y = model["mlp"](torch.randn(3, 64))
     assert y.shape == (3, 64) and torch.isfinite(y.to_torch()).all()
+
+
+def test_meta_buffers_follow_reset_parameters(tp4):
+    with torch.device("meta"):
+        bn = torch.nn.BatchNorm1d(6)
+    parallelize_module(bn, tp4, {})
+    state = {k: v.to_torch() for k, v in bn.state_dict().items()}
+    want = torch.nn.BatchNorm1d(6).state_dict()
+    assert list(state) == list(want)
+    for key, value in want.items():
+        assert state[key].dtype == value.dtype and torch.equal(state[key], value), key
 
 
 def test_meta_tied_weight_keeps_its_first_owners_init(tp4):
