@@ -42,3 +42,14 @@ def check_grads(model, ref, xd, xt):
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         close(p.grad, grads[name].grad)
+
+
+class Tied(torch.nn.Module):
+    def __init__(self, vocab=10, dim=6):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
