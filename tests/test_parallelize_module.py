@@ -52,7 +52,9 @@ def test_mlp_colwise_rowwise_matches_torch_with_one_all_reduce(mesh1d, hidden, b
     xt = x.clone().requires_grad_()
     want = ref(xt)
     close(y, want)
-    (y * y).sum().backward()
+    loss = (y * y).sum()
+    _, back = counted(lambda: loss.backward())
+    assert back == {"all_reduce": 1}  # x.grad: the column-parallel input's Partial gradient
     (want * want).sum().backward()
     check_grads(model, ref, xd, xt)
 
