@@ -13,7 +13,7 @@ import dtorch
 from dtorch import ColwiseParallel, Replicate, Shard, init_device_mesh, parallelize_module
 from dtorch.parallel import distribute_module, loss_parallel
 from ledgers import counted
-from parallelize_support import MLP, close
+from parallelize_support import MLP, MLP_PLAN, close
 
 R = Replicate()
 
@@ -84,3 +84,27 @@ def test_readme_parallelize_example_runs(live):
     assert scope["mode"].get_comm_counts() == {"all_reduce": 1}
     assert scope["model"].up.weight.placements == (R, Shard(0))
     assert list(scope["model"].state_dict()) == list(scope["reference"].state_dict())
+
+
+def test_a_converted_model_frees_its_shards(tp4):
+    """Nothing keeps a converted module alive: not its generated class (a class defined in a
+    function, like the README's in its exec scope, is freed with it), not its hooks."""
+    import gc
+
+    def rank_bytes():
+        gc.collect()
+        dtorch.synchronize()
+        return [s["bytes"] for s in dtorch.rank_stats()]
+
+    before = rank_bytes()
+
+    def build():  # as the README's example runs: its class's methods see the model
+        scope = {"MLP": MLP, "torch": torch, "tp4": tp4, "plan": MLP_PLAN,
+                 "parallelize_module": parallelize_module}
+        exec("class Local(MLP):\n    def forward(self, x):\n        return super().forward(x)\n"
+             "model = parallelize_module(Local(5, 10), tp4, plan)\n"
+             "model(torch.randn(2, 5))\n", scope)
+        return sum(s["bytes"] for s in dtorch.rank_stats())
+
+    assert build() > sum(before)
+    assert rank_bytes() == before

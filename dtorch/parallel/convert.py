@@ -25,9 +25,6 @@ from ..tensor import DTensor
 from ..nn.modules.module import DTensorModuleMixin
 from . import meta_init
 
-_classes: dict[type, type] = {}
-
-
 class Target(NamedTuple):
     """The mesh a plan lays tensors on and the one dim its styles shard along."""
 
@@ -68,13 +65,15 @@ def resolve_target(device_mesh, default_name: str = "tp") -> Target:
 
 
 def dtorch_class(cls: type) -> type:
-    """``DTorch<Name>``: ``cls`` with dtorch.nn.Module's DTensor behaviour mixed in first."""
+    """``DTorch<Name>``: ``cls`` with dtorch.nn.Module's DTensor behaviour mixed in first (made
+    once per class and kept on it, so a class defined in a function is freed with it)."""
     if issubclass(cls, DTensorModuleMixin):
         return cls
-    if cls not in _classes:
-        _classes[cls] = type(f"DTorch{cls.__name__}", (DTensorModuleMixin, cls),
-                             {"__module__": __name__})
-    return _classes[cls]
+    sub = cls.__dict__.get("_dtorch_class")
+    if sub is None:
+        sub = type(f"DTorch{cls.__name__}", (DTensorModuleMixin, cls), {"__module__": __name__})
+        setattr(cls, "_dtorch_class", sub)
+    return sub
 
 
 def swap_classes(root: torch.nn.Module) -> None:
