@@ -129,7 +129,7 @@ def test_tied_weights_placed_two_ways_are_refused(tp4):
              r"Shard\(dim=1\) as emb.weight and Shard\(dim=0\) as head.weight\. Fix")
 
 
-# (b) a transformer block: heads on tp --------------------------------------------------------------
+# (b) a transformer block: heads on tp -------------------------------------------------------------
 class Attention(torch.nn.Module):
     def __init__(self, dim, heads):
         super().__init__()

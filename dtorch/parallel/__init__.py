@@ -1,8 +1,8 @@
 """dtorch.parallel: PyTorch's tensor-parallel API on plain torch.nn modules (one controller).
 
 >>> from dtorch.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
->>> ColwiseParallel()
-ColwiseParallel(input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),), use_local_output=True)
+>>> RowwiseParallel().output_layouts
+(Replicate(),)
 """
 
 from .api import loss_parallel, parallelize_module

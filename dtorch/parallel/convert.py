@@ -153,9 +153,9 @@ def check_ties(entries) -> None:
             if first[0] != on_dim:
                 raise PlacementError(
                     f"{where} is the same tensor as {first[1]} (tied), but the plan places it "
-                    f"{first[0]!r} as {first[1]} and {on_dim!r} as {where}. Fix: give both modules styles that "
-                    f"shard it alike (e.g. RowwiseParallel embedding + ColwiseParallel head: "
-                    f"both Shard(0)), or untie them")
+                    f"{first[0]!r} as {first[1]} and {on_dim!r} as {where}. Fix: give both "
+                    f"modules styles that shard it alike (e.g. RowwiseParallel embedding + "
+                    f"ColwiseParallel head: both Shard(0)), or untie them")
 
 
 def check_same_mesh(root, mesh: DeviceMesh) -> None:

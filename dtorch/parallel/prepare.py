@@ -4,7 +4,8 @@
 its placements on the other mesh dims and is redistributed to ``desired`` on the plan's dim; a
 torch tensor is the global value (one controller), so it is sent straight in the ``desired``
 layout (Replicate on the other dims), nothing gathered: ``layout`` (PyTorch's "how this rank's
-local tensor is laid out") only says whether to convert it at all. Example (shard the batch on "dp" before a tp-parallel model)::
+local tensor is laid out") only says whether to convert it at all. Example (shard the batch
+on "dp" before a tp-parallel model)::
 
     parallelize_module(model, mesh["dp"], PrepareModuleInput(
         input_layouts=Replicate(), desired_input_layouts=Shard(0)))
