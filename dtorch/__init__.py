@@ -34,15 +34,21 @@ long = int64
 int = int32
 
 __version__ = "0.1.0"
+_PARALLEL = ("parallelize_module", "distribute_module", "loss_parallel", "ColwiseParallel",
+             "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+             "ParallelStyle")
 
 
 def __getattr__(name: str):
     """``dtorch.relu``, ``dtorch.matmul``, ...: torch functions with a placement rule."""
     if name.startswith("__"):
         raise AttributeError(f"module 'dtorch' has no attribute {name!r}")
-    if name in ("nn", "ops", "random"):
+    if name in ("nn", "ops", "random", "parallel"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
+    if name in _PARALLEL:  # dtorch.parallelize_module, dtorch.ColwiseParallel, ...
+        from . import parallel
+        return getattr(parallel, name)
     from .ops.exports import missing, routed
     func = routed(name)
     if func is None:
