@@ -94,6 +94,8 @@ def substitute(func, args, kwargs):
     _scan((args, kwargs or {}), dtensors, plains)
     if not dtensors:
         return None
+    if not plains:
+        return args, kwargs
     first = dtensors[0]
     mesh, c = first._spec.mesh, first._controller
     _check(func, args, kwargs or {}, plains, mesh)
@@ -102,6 +104,12 @@ def substitute(func, args, kwargs):
         if id(p) not in values:
             values[id(p)] = constant(p, mesh, c)
     return _swap(tuple(args), values), _swap(kwargs or {}, values)
+
+
+def swap_plain(func, args, kwargs):
+    """``(args, kwargs)``, plain tensors substituted when DTensors are there too (ops that
+    run as other DTensor ops: their own arithmetic on a plain target would stay plain)."""
+    return substitute(func, args, kwargs) or (args, kwargs)
 
 
 def _scan(obj, dtensors, plains) -> None:

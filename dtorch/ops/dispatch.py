@@ -154,7 +154,7 @@ def _fast_binary(func, args):
 
 def _dispatch(func, args, kwargs=None):
     if func in _DECOMPOSED:  # runs as other DTensor ops (see registry.decomposed)
-        result = _DECOMPOSED[func](func, args, kwargs or {})
+        result = _DECOMPOSED[func](func, *constants.swap_plain(func, args, kwargs or {}))
         if result is not NotImplemented:
             return result
     if func in _PREP:  # index/size values given as tensors (tensor_split's indices) -> ints
