@@ -67,6 +67,18 @@ def test_binary_with_a_constant(case, shape):
     check(out, t * xv - row, placements)
 
 
+def test_constants_inside_lists_and_keywords(case):
+    mesh, placements = case
+    xv, t, w = torch.randn(6, 5), torch.randn(6, 5), torch.rand(5)
+    x = dt(xv, mesh, placements)
+    out, comms, sent = counted(lambda: torch.stack([x, t]).sum(0))
+    assert comms == {} and sent == t.nbytes
+    torch.testing.assert_close(out.to_torch(), xv + t)
+    out, comms, _ = counted(lambda: torch.add(x, other=w, alpha=2))
+    assert comms == {}
+    check(out, torch.add(xv, w, alpha=2), placements)
+
+
 def test_where_with_a_plain_bool_mask(case):
     mesh, placements = case
     xv, yv = torch.randn(7, 5), torch.randn(7, 5)
@@ -204,9 +216,10 @@ def refused(fn, match):
     """``fn`` raises MixedTensorError (matching) on the controller, nothing issued or sent."""
     c = session.get_controller()
     before, sends = c.issued, dtorch.constants_sent().sends
-    with pytest.raises(MixedTensorError, match=match):
+    with pytest.raises(MixedTensorError, match=match) as info:
         fn()
     assert c.issued == before and dtorch.constants_sent().sends == sends
+    assert info.value.__context__ is None  # a clean traceback: no dispatch internals
 
 
 def test_mixed_tensor_error_remains_where_a_constant_is_wrong(mesh1d):

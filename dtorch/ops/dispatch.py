@@ -180,12 +180,11 @@ def _dispatch(func, args, kwargs=None):
             for k, v in kwargs.items():
                 key.append(k)
                 ckwargs[k] = _prep(v, key, tensors)
-    except constants.PlainTensor:  # plain tensors: cached Replicate constants, then again
-        swapped = constants.substitute(func, args, kwargs)
-        if swapped is None:  # no DTensor at all: plain torch
-            return func(*args, **(kwargs or {}))
-        return dispatch(func, None, *swapped)
+    except constants.PlainTensor:
+        tensors = key = None
     if not tensors:
+        if key is None:  # plain tensors: cached Replicate constants, then dispatch again
+            return _with_constants(func, args, kwargs)
         return func(*args, **(kwargs or {}))
     key = tuple(key)
     plan = _cache.get(key)
@@ -230,6 +229,15 @@ def _dispatch(func, args, kwargs=None):
     return rebuild(outputs, [_wrap(s, t, c) for s, t in zip(specs, tids)])
 
 
+def _with_constants(func, args, kwargs):
+    """The call with its plain tensors as cached Replicate constants (dtorch.ops.constants),
+    or plain torch when no DTensor is among the arguments."""
+    swapped = constants.substitute(func, args, kwargs)
+    if swapped is None:
+        return func(*args, **(kwargs or {}))
+    return dispatch(func, None, *swapped)
+
+
 def plan_of(func, args, kwargs=None) -> Plan:
     """The plan a call would run, from the cache or planned now; nothing is issued, and it
     raises what the call would raise (a rule's PlacementError). Example::
@@ -245,10 +253,12 @@ def plan_of(func, args, kwargs=None) -> Plan:
         for k, v in kwargs.items():
             key.append(k)
             _prep(v, key, tensors)
-    except constants.PlainTensor:  # as the call would see them: cached Replicate constants
+    except constants.PlainTensor:
+        key = None
+    if key is None:  # as the call would see them: cached Replicate constants
         swapped = constants.substitute(func, args, kwargs)
         if swapped is None:
-            raise TypeError("plan_of needs a DTensor among the arguments") from None
+            raise TypeError("plan_of needs a DTensor among the arguments")
         return plan_of(func, *swapped)
     key = tuple(key)
     return _cache.get(key) or _plan(func, args, kwargs, tensors, key)
