@@ -241,6 +241,23 @@ def test_mixed_tensor_error_remains_where_a_constant_is_wrong(mesh1d):
         check(x * w, x.to_torch() * w, (Shard(0),))
 
 
+def test_a_refused_op_sends_no_constant(mesh1d):
+    """The constant is sent when the op is planned, so a PlacementError sends nothing; the
+    same constant in a legal call is sent then (once)."""
+    from test_ops_support import illegal
+    xv, t = torch.randn(6, 4), torch.randn(6, 4)
+    x = dt(xv, mesh1d, (Shard(0),))
+    dtorch.synchronize()
+    illegal(lambda: torch.cat([x, t], 0))
+    illegal(lambda: torch.cat([t, x], 0))
+    assert dtorch.constants_sent().sends == 0
+    out, comms, sent = counted(lambda: x + t)
+    assert comms == {} and sent == t.nbytes
+    check(out, xv + t, (Shard(0),))
+    _, _, sent = counted(lambda: t - x)
+    assert sent == 0 and dtorch.constants_sent().sends == 1
+
+
 def test_gradient_flows_past_a_constant(case):
     mesh, placements = case
     xv, t = torch.randn(6, 5), torch.randn(6, 5)

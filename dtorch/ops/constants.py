@@ -4,7 +4,8 @@ In ``x + mask`` with ``x`` a DTensor and ``mask`` a plain torch tensor (a causal
 position ids, ``torch.arange(seq)``, a rotary table), ``mask`` is a Replicate DTensor on x's
 mesh and the op's own rule plans it (beside a ``Shard(0)`` x it is narrowed locally: no
 collective). The controller sends it to each rank once (as ``dtorch.tensor(t,
-device_mesh=mesh)`` does) and keeps it while its content is unchanged: the cache is keyed by
+device_mesh=mesh)`` does), when the first op using it has been planned (a refused op sends
+nothing), and keeps it while its content is unchanged: the cache is keyed by
 (mesh, dtype, shape, blake2b digest of the bytes); the digest is memoized per tensor object on
 its version counter and data pointer, so an unchanged tensor is not even hashed again. The
 cache is bounded by ``dtorch.config.constant_cache_bytes`` (least recently used out first,
@@ -32,7 +33,9 @@ import torch
 from .. import comm_debug, config
 from ..errors import MixedTensorError
 from ..placement import Replicate
-from ..tensor import DTensor
+from ..runtime import messages as m
+from ..runtime import session
+from ..tensor import DTensor, make_spec
 
 
 class PlainTensor(Exception):
@@ -187,7 +190,8 @@ def _inplace(func) -> bool:
 
 # the cache ------------------------------------------------------------------------------------
 def constant(t: torch.Tensor, mesh, c) -> DTensor:
-    """The Replicate DTensor holding ``t`` on ``mesh``: cached, or sent now."""
+    """The Replicate DTensor holding ``t`` on ``mesh``: cached, or a new one that is sent when
+    an op that uses it is planned (so a call that raises sends nothing)."""
     d = digest(t)
     key = (mesh, t.dtype, tuple(t.shape), d)
     with _lock:
@@ -199,24 +203,76 @@ def constant(t: torch.Tensor, mesh, c) -> DTensor:
             _cache.move_to_end(key)
             _counts["hits"] += 1
             return hit[0]
-        nbytes = t.numel() * t.element_size()
-        _warn_if_big(t, nbytes)
-        value = _send(t, mesh)
+        # a copy: what is sent must be what was digested, whatever the caller does to t
+        value = t.detach().resolve_conj().resolve_neg().cpu().clone()
+        out = _unsent(value, mesh, c)
+        nbytes = value.numel() * value.element_size()
+        bound = config.constant_cache_bytes
+        if nbytes <= bound:
+            _cache[key] = (out, nbytes)
+            _evict(bound)
+        return out
+
+
+class _Unsent(DTensor):
+    """A constant not sent yet. Dispatch calls ``_live()`` on its inputs once the op's plan is
+    made, before the op is issued: that sends it (its ``Load`` goes first) and it becomes a
+    plain DTensor."""
+
+    __slots__ = ()
+
+    def _live(self):
+        return _load(self)
+
+
+_pending: dict = {}  # id(_Unsent) -> (tid, value, finalizer)
+
+
+def _unsent(value, mesh, c) -> DTensor:
+    obj = _Unsent.__new__(_Unsent)
+    obj._spec = make_spec(tuple(value.shape), value.dtype, mesh, (Replicate(),) * mesh.ndim)
+    obj._tid, obj._controller, obj._ag, obj._version = None, c, None, None
+    key = id(obj)
+    _pending[key] = (c.new_tid(), value, weakref.finalize(obj, _pending.pop, key, None))
+    return obj
+
+
+def tid_of(x: DTensor):
+    """The id a DTensor's shards have (or will have once sent: an unsent constant's)."""
+    if x._tid is not None or type(x) is not _Unsent:
+        return x._tid
+    entry = _pending.get(id(x))
+    return entry[0] if entry is not None else None
+
+
+def _load(obj: _Unsent):
+    """Send an unsent constant to each rank of its mesh (from the controller, as
+    ``dtorch.tensor(t, device_mesh=mesh)`` does), count it; then it is a DTensor."""
+    with _lock:
+        if type(obj) is not _Unsent:  # another thread sent it meanwhile
+            return DTensor._live(obj)
+        c = obj._controller
+        entry = _pending.pop(id(obj), None)
+        if entry is None or c.closed or c is not session._controller:
+            obj._controller = None
+            return DTensor._live(obj)  # raises FreedTensorError, naming why
+        tid, value, finalizer = entry
+        finalizer.detach()
+        mesh = obj._spec.mesh
+        nbytes = value.numel() * value.element_size()
+        _warn_if_big(value, nbytes)
+        c.ensure_mesh(mesh)
+        for rank in mesh.ranks:  # Replicate: every rank holds the whole value
+            c.stage(rank, tid, value)
+        c.issue(m.Load(tid, mesh.ranks))
+        c.live_tensors += 1
+        obj._tid = tid
+        obj.__class__ = DTensor
         _counts["sends"] += 1
         _counts["bytes_per_rank"] += nbytes
         _counts["total_bytes"] += nbytes * len(mesh.ranks)
         comm_debug.record_constant(nbytes, len(mesh.ranks))
-        bound = config.constant_cache_bytes
-        if nbytes <= bound:
-            _cache[key] = (value, nbytes)
-            _evict(bound)
-        return value
-
-
-def _send(t, mesh) -> DTensor:
-    from ..factories import tensor
-    # a copy: the staged bytes must not change if the caller mutates t before the flush
-    return tensor(t.detach().clone(), device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
+        return c
 
 
 def _evict(bound: int) -> None:
@@ -237,7 +293,7 @@ def _warn_if_big(t, nbytes: int) -> None:
         f"met DTensors and is sent whole to every rank as a Replicate constant (over "
         f"dtorch.config.constant_warn_bytes); make it a DTensor instead, sharded so each rank "
         f"gets its part: dtorch.tensor(t, device_mesh=mesh, placements=[Shard(0)])",
-        ConstantSizeWarning, stacklevel=5)
+        ConstantSizeWarning, stacklevel=7)
 
 
 # digests --------------------------------------------------------------------------------------

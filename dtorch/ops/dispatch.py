@@ -82,10 +82,10 @@ def _prep(a, key: list, tensors: list):
 
 
 def _prep_other(a, key, tensors):
-    if isinstance(a, DTensor):
+    if isinstance(a, DTensor):  # a constant not sent yet too: its Load goes before the call
         tensors.append(a)
         key.append(a._spec)
-        return _new_tuple(_Ref, (a._tid,))
+        return _new_tuple(_Ref, (constants.tid_of(a),))
     if type(a) is slice:
         if any(isinstance(v, DTensor) for v in (a.start, a.stop, a.step)):
             raise TypeError("slice bounds must be ints, not DTensors; use int(t) or t.item()")
