@@ -145,14 +145,15 @@ def _swap(obj, values):
 
 def _check(func, args, kwargs, plains, mesh) -> None:
     """MixedTensorError where replicating a plain tensor would be wrong."""
-    from .registry import display_name, lookup
-    name = display_name(func)
+    from .registry import display_name
     out = kwargs.get("out")
     if isinstance(out, torch.Tensor) or (type(out) in (list, tuple) and any(
             isinstance(o, torch.Tensor) for o in out)):
+        name = display_name(func)
         raise MixedTensorError(f"{name}: out= is a plain torch.Tensor, but the result is a "
                                f"DTensor; use the returned DTensor (y = {name}(...))")
-    if args and isinstance(args[0], torch.Tensor) and args[0].dim() != 0 and _inplace(func):
+    if args and args[0] is plains[0] and _inplace(func):
+        name = display_name(func)
         raise MixedTensorError(
             f"{name}: the in-place target is a plain torch.Tensor of shape "
             f"{tuple(args[0].shape)} and the other operands are DTensors; a constant copy "
@@ -160,6 +161,7 @@ def _check(func, args, kwargs, plains, mesh) -> None:
             f"device_mesh=mesh, placements=[...]), or use the out-of-place op")
     for p in plains:
         if p.requires_grad and torch.is_grad_enabled():
+            name = display_name(func)
             what = "a torch.nn.Parameter" if isinstance(p, torch.nn.Parameter) else \
                 "a plain torch.Tensor"
             raise MixedTensorError(
@@ -169,12 +171,14 @@ def _check(func, args, kwargs, plains, mesh) -> None:
                 f"module, mesh), or make it a DTensor: dtorch.tensor(t, device_mesh=mesh, "
                 f"placements=[...], requires_grad=True)")
         if p.device.type != mesh.device_type:
+            name = display_name(func)
             raise MixedTensorError(
                 f"{name}: a plain torch.Tensor of shape {tuple(p.shape)} on {p.device} met "
                 f"DTensors on a {mesh.device_type!r} mesh; move it first: "
                 f"t.to({mesh.device_type!r}), or make it a DTensor: dtorch.tensor(t, "
                 f"device_mesh=mesh, placements=[...])")
         if p.layout != torch.strided:
+            name = display_name(func)
             raise MixedTensorError(f"{name}: a plain {p.layout} tensor met DTensors; constants "
                                    f"are dense: pass t.to_dense()")
 
@@ -304,7 +308,7 @@ def digest(t: torch.Tensor) -> bytes:
         version = t._version
     except (RuntimeError, AttributeError):  # inference tensors have no version counter
         version = None
-    sig = (version, t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.dtype)
+    sig = (version, t.data_ptr(), t.shape, t.stride())  # data_ptr includes the offset
     key = id(t)
     memo = _memo.get(key)
     if memo is not None and memo[0]() is t and memo[1] == sig:
