@@ -23,6 +23,7 @@ from .factories import (arange, distribute_tensor, empty, from_local, empty_like
 from .graph import Graph
 from .runtime.session import (cluster_info, init, manual_seed, rank_stats, restart, shutdown,
                               synchronize)
+from .runtime.dry_run import DryRunError
 from torch import (bfloat16, bool, complex64, float16, float32, float64, int8, int16, int32,
                    int64, uint8)
 
@@ -33,6 +34,9 @@ long = int64
 int = int32
 
 __version__ = "0.1.0"
+_PARALLEL = ("parallelize_module", "distribute_module", "loss_parallel", "ColwiseParallel",
+             "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+             "ParallelStyle")
 
 
 def __getattr__(name: str):
@@ -42,9 +46,12 @@ def __getattr__(name: str):
     if name in ("constants_sent", "clear_constants"):  # plain tensors as constants
         from .ops import constants
         return getattr(constants, name)
-    if name in ("nn", "ops", "random"):
+    if name in ("nn", "ops", "random", "parallel"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
+    if name in _PARALLEL:  # dtorch.parallelize_module, dtorch.ColwiseParallel, ...
+        from . import parallel
+        return getattr(parallel, name)
     from .ops.exports import missing, routed
     func = routed(name)
     if func is None:

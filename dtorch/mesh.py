@@ -192,6 +192,19 @@ class DeviceMesh:
         if extra:
             raise MeshError(f"mesh dim names {extra} are not in the allowed set {sorted(allowed)}")
 
+    def __getitem__(self, name: str | tuple) -> "MeshDim":
+        """``mesh["tp"]``: PyTorch's sub-mesh by dim name, read by ``dtorch.parallelize_module``
+        and ``distribute_module`` as "the tp dim of this mesh" (other dims Replicate). A single
+        controller has no "current rank", so there is no 1-D mesh of "my" tp group to return."""
+        names = name if isinstance(name, tuple) else (name,)
+        if len(names) == 1:
+            return MeshDim(self, self.dim_index(names[0]) if isinstance(names[0], str)
+                           else _name_error(self, names[0]))
+        if names == self._names:
+            return MeshDim(self, None)
+        raise MeshError(f"mesh[{name!r}]: dtorch slices one dim by name (mesh['tp']) or all of "
+                        f"them in order {self._names!r}")
+
     # coordinates and groups ------------------------------------------------------------------
     @cached_property
     def _coords(self) -> dict[int, tuple[int, ...]]:
@@ -232,6 +245,46 @@ class DeviceMesh:
             sub = _take(self.mesh_list, idx, i)
             out.append(DeviceMesh(self._device_type, sub, mesh_dim_names=names))
         return out
+
+
+class MeshDim:
+    """``mesh["tp"]``: a parent mesh and one of its dims (``dim=None``: every dim).
+
+    >>> m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    >>> m["tp"], m["tp"].size(), m["tp"].mesh is m
+    (DeviceMesh('cpu', [[0, 1], [2, 3]], mesh_dim_names=('dp', 'tp'))['tp'], 2, True)
+    """
+
+    __slots__ = ("mesh", "dim")
+
+    def __init__(self, mesh: DeviceMesh, dim: int | None):
+        self.mesh, self.dim = mesh, dim
+
+    @property
+    def ndim(self) -> int:
+        return 1 if self.dim is not None else self.mesh.ndim
+
+    @property
+    def mesh_dim_names(self):
+        names = self.mesh.mesh_dim_names
+        return names if self.dim is None else (names[self.dim],)
+
+    def size(self, dim=None) -> int:
+        return self.mesh.size(self.dim) if self.dim is not None else self.mesh.size(dim)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, MeshDim) and (self.mesh, self.dim) == (other.mesh, other.dim)
+
+    def __hash__(self) -> int:
+        return hash((self.mesh, self.dim))
+
+    def __repr__(self) -> str:
+        names = self.mesh_dim_names
+        return f"{self.mesh!r}[{names[0] if self.dim is not None else names!r}]"
+
+
+def _name_error(mesh: DeviceMesh, name):
+    raise MeshError(f"mesh[{name!r}]: index a mesh by a dim name, one of {mesh.mesh_dim_names!r}")
 
 
 def _take(nested, axis: int, index: int):

@@ -13,13 +13,13 @@ until asked for. Example::
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from . import comm_debug, layout
+from . import comm_debug, layout, tensor_operators
 from .errors import DTorchError, FreedTensorError, PlacementValueError
 from .future import TensorFuture
 from .mesh import DeviceMesh, RankTuple
@@ -166,8 +166,16 @@ class DTensor(TensorProtocol):
 
     full_tensor = to_torch
 
-    def to_local(self, rank: int) -> torch.Tensor:
-        """The local tensor ``rank`` stores (a Partial shard is its partial value)."""
+    def to_local(self, rank: int | None = None) -> torch.Tensor:
+        """The local tensor ``rank`` stores (a Partial shard is its partial value).
+
+        PyTorch's SPMD ``to_local()`` returns the calling rank's shard; a single controller is
+        no rank, so the rank is required: without one a TypeError lists the mesh's ranks."""
+        if rank is None:
+            raise TypeError(f"DTensor.to_local(rank) needs the rank whose shard to return: the "
+                            f"controller is not a rank; pick one of "
+                            f"{list(self._spec.mesh.ranks)}, or use .to_torch() / "
+                            f".full_tensor() for the global value")
         c = self._live()
         if self._spec.mesh.get_coordinate(rank) is None:
             raise ValueError(f"rank {rank} is not in this tensor's mesh {self._spec.mesh}; "
@@ -417,50 +425,7 @@ def _attribute(x, name):
     return attribute(x, name)
 
 
-_OPERANDS = (DTensor, int, float, bool, complex, torch.Tensor)
-
-
-def _binary_dunder(func):
-    def dunder(self, other):
-        if isinstance(other, np.ndarray):  # as torch does: the array as a tensor, no gather
-            other = torch.as_tensor(other)
-        elif isinstance(other, np.generic):
-            other = other.item()
-        if not isinstance(other, _OPERANDS):
-            return NotImplemented
-        return _dispatch(func, None, (self, other))
-    dunder.__name__ = func.__name__
-    return dunder
-
-
-def _unary_dunder(func):
-    def dunder(self):
-        return _dispatch(func, None, (self,))
-    dunder.__name__ = func.__name__
-    return dunder
-
-
-def _getitem(self, index):
-    return _dispatch(torch.Tensor.__getitem__, None, (self, index))
-
-
-def _setitem(self, index, value):
-    _dispatch(torch.Tensor.__setitem__, None, (self, index, value))
-
-
-for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
-              "__truediv__", "__rtruediv__", "__floordiv__", "__rfloordiv__", "__mod__",
-              "__rmod__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__and__",
-              "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__lshift__",
-              "__rshift__", "__rlshift__", "__rrshift__", "__eq__", "__ne__", "__lt__", "__le__",
-              "__gt__", "__ge__",
-              "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
-              "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"):
-    setattr(DTensor, _name, _binary_dunder(getattr(torch.Tensor, _name)))
-for _name in ("__neg__", "__pos__", "__abs__", "__invert__"):
-    setattr(DTensor, _name, _unary_dunder(getattr(torch.Tensor, _name)))
-DTensor.__getitem__ = _getitem
-DTensor.__setitem__ = _setitem
+tensor_operators.install(DTensor, sys.modules[__name__])
 
 
 def _distinct_blocks(spec: TensorSpec) -> dict[int, layout.RankBlock]:

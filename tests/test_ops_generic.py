@@ -13,14 +13,16 @@ from dtorch.runtime import session
 from test_ops_support import Batch, dt, no_comm
 
 R = Replicate()
+aten = torch.ops.aten
 
-NO_RULE = {  # ops that have no dedicated rule (checked below), with torch's inputs
-    "cov": (torch.cov, lambda: (torch.randn(3, 5),)),
-    "corrcoef": (torch.corrcoef, lambda: (torch.randn(3, 5),)),
-    "histc": (lambda x: torch.histc(x, bins=4, min=-2, max=2), lambda: (torch.randn(10),)),
-    "pdist": (F.pdist, lambda: (torch.randn(4, 3),)),
-    "quantile": (lambda x: torch.quantile(x, 0.25, dim=1), lambda: (torch.randn(3, 5),)),
-    "vander": (lambda x: torch.vander(x, 3), lambda: (torch.randn(4),)),
+NO_RULE = {  # ops that have no dedicated rule (checked below), with torch's inputs: the aten
+    # operators under torch.cov, torch.histc, ... (the Python functions have rules)
+    "cov": (aten.cov.default, lambda: (torch.randn(3, 5),)),
+    "corrcoef": (aten.corrcoef.default, lambda: (torch.randn(3, 5),)),
+    "histc": (lambda x: aten.histc.default(x, 4, -2, 2), lambda: (torch.randn(10),)),
+    "pdist": (aten.pdist.default, lambda: (torch.randn(4, 3),)),
+    "quantile": (lambda x: aten.quantile.scalar(x, 0.25, 1), lambda: (torch.randn(3, 5),)),
+    "vander": (lambda x: aten.vander.default(x, 3), lambda: (torch.randn(4),)),
 }
 DATA_DEPENDENT = {
     "nonzero": lambda x: torch.nonzero(x > 0),
@@ -62,7 +64,8 @@ def test_ops_without_a_rule_run_on_replicated_inputs(mesh_name, request):
 
 
 def test_the_listed_ops_really_have_no_rule():
-    for fn in (torch.cov, torch.corrcoef, torch.histc, F.pdist, torch.quantile, torch.vander):
+    for fn in (aten.cov.default, aten.corrcoef.default, aten.histc.default, aten.pdist.default,
+               aten.quantile.scalar, aten.vander.default):
         assert dtorch.ops.lookup(fn) is None, fn
 
 
@@ -107,8 +110,9 @@ def test_a_sub_mesh_runs_only_on_its_ranks(mesh2d):
 @pytest.mark.parametrize("call", [
     torch.bernoulli, lambda x: x.uniform_(), lambda x: torch.multinomial(x, 2),
     torch.rand_like, lambda x: F.rrelu(x, training=True)])
-def test_random_ops_raise_clearly_before_anything_is_sent(mesh1d, call):
-    x = dt(torch.rand(3, 4) * 0.8 + 0.1, mesh1d, [R])
+@pytest.mark.parametrize("placement", [R, Shard(0)], ids=["replicate", "shard0"])
+def test_random_ops_raise_clearly_before_anything_is_sent(mesh1d, call, placement):
+    x = dt(torch.rand(3, 4) * 0.8 + 0.1, mesh1d, [placement])
     c = session.get_controller()
     before = c.issued
     with pytest.raises(NotImplementedError, match="random"):  # UnsupportedOpError is one
@@ -127,8 +131,8 @@ def test_deterministic_variants_of_random_ops_run(mesh1d):
 
 def test_sharded_inputs_without_a_rule_say_replicate_works(mesh1d):
     s = dt(torch.randn(4, 4), mesh1d, [Shard(0)])
-    with pytest.raises(UnsupportedOpError, match=r"torch\.cov.*Replicate.*coverage\(\)"):
-        torch.cov(s)
+    with pytest.raises(UnsupportedOpError, match=r"aten\.cov.*Replicate.*coverage\(\)"):
+        aten.cov.default(s)
 
 
 def test_dtorch_namespace_routes_ops_without_a_rule(mesh1d):

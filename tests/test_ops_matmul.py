@@ -180,8 +180,31 @@ def test_linear_column_and_row_parallel(mesh1d, mesh2d):
               F.linear(x, w), [Shard(1)])
     batch.check()
     xs, ws, br = dt(x, mesh1d, [Shard(2)]), dt(w, mesh1d, [Shard(1)]), dt(b, mesh1d, [R])
-    err = illegal(lambda: F.linear(xs, ws, br))
+    batch = Batch()  # a Replicate bias beside a Partial('sum') product is made Partial locally
+    batch.add(no_comm(lambda: F.linear(xs, ws, br)), F.linear(x, w, b), [Partial()])
+    batch.add(no_comm(lambda: F.linear(xs, dt(w, mesh1d, [R]), br)), F.linear(x, w, b),
+              [Partial()])
+    x2 = dt(x, mesh2d, [Shard(2), Shard(0)])
+    batch.add(no_comm(lambda: F.linear(x2, dt(w, mesh2d, [R, R]), dt(b, mesh2d, [R, R]))),
+              F.linear(x, w, b), [Partial(), Shard(0)])
+    batch.check()
+    bmax = make(b.double(), mesh1d, [Partial("max")], 1)
+    xd, wd = dt(x.double(), mesh1d, [Shard(2)]), dt(w.double(), mesh1d, [Shard(1)])
+    err = illegal(lambda: F.linear(xd, wd, bmax))
     assert "bias.redistribute(placements=[Partial('sum')])" in str(err)
+
+
+def test_a_replicate_bias_beside_a_partial_product_keeps_torchs_gradients(mesh1d):
+    x, w, b = (torch.randn(*s, dtype=torch.float64, requires_grad=True)
+               for s in ((2, 6, 5), (3, 5), (3,)))
+    (F.linear(x, w, b) ** 2).sum().backward()
+    dx, dw, db = (dt(t.detach(), mesh1d, p).requires_grad_()
+                  for t, p in ((x, [Shard(2)]), (w, [R]), (b, [R])))
+    y = F.linear(dx, dw, db)
+    assert y.placements == (Partial(),)
+    (y.redistribute(placements=[R]) ** 2).sum().backward()
+    for d, t in ((dx, x), (dw, w), (db, b)):
+        torch.testing.assert_close(d.grad.to_torch(), t.grad)
 
 
 def test_addmm_and_einsum(mesh1d, mesh2d):
@@ -277,10 +300,9 @@ def test_addbmm_batch_sharded_is_partial(mesh1d):
     batch.add(no_comm(lambda: torch.addbmm(dt(bias, mesh1d, [Partial()]), dx, dt(y, mesh1d, [R]))),
               torch.addbmm(bias, x, y), [Partial()])
     batch.check()
-    br = dt(bias, mesh1d, [R])
-    err = illegal(lambda: torch.addbmm(br, dx, dy))
-    assert "bias.redistribute(placements=[Partial('sum')])" in str(err) or \
-        "input.redistribute(placements=[Partial('sum')])" in str(err)
+    br = dt(bias, mesh1d, [R])  # made Partial('sum') locally: the first rank keeps it
+    batch.add(no_comm(lambda: torch.addbmm(br, dx, dy)), torch.addbmm(bias, x, y), [Partial()])
+    batch.check()
 
 
 def test_tensordot(mesh1d, mesh2d):

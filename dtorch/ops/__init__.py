@@ -16,10 +16,12 @@ from . import (attention, binary, cast, compare, concat, elementwise, embedding,
                indexing, like, loss_parallel, losses, matmul, meta_ops, norm, reduction, shape,
                softmax)
 from . import dropout  # noqa: F401 - dropout in training (registry.decomposed)
+from . import mha  # noqa: F401 - F.multi_head_attention_forward on sharded inputs
 from . import sharded_reductions, sharded_moments, sharded_scans  # noqa: F401 - along a sharded dim
 from . import conv_pool, losses_more, nn_local  # noqa: F401 - batch-local families
 from . import dim_local, index_local  # noqa: F401 - ops along a dim other than the sharded one
 from . import fft_local, linalg_batched, linalg_dims, matmul_batched  # noqa: F401 - batched linalg, fft
+from . import remaining_local, remaining_refusals  # noqa: F401 - the last local ops; refusals
 from .dispatch import UnsupportedOpError, clear_cache
 from .registry import lookup
 

@@ -43,8 +43,12 @@ def _legal(kind: str) -> str:
 def narrow_table(shape, mesh, placements, target) -> dict:
     """``{coord: ((dim, start, length), ...)}`` narrowing each rank's block under
     ``placements`` to its block under ``target``; None when some target block is not inside
-    the rank's current block (that change would move data)."""
+    the rank's current block (that change would move data). A Replicate made
+    ``Partial('sum')`` keeps its value on coordinate 0 of that mesh dim and is zero elsewhere
+    (the entry ``(None, 0, 0)``)."""
     table = {}
+    summed = [m for m, (p, q) in enumerate(zip(placements, target))
+              if p.is_replicate() and q.is_partial() and q.reduce_op == "sum"]
     for rank in mesh.ranks:
         coord = mesh.get_coordinate(rank)
         have = rank_block(shape, mesh, placements, coord)
@@ -58,13 +62,15 @@ def narrow_table(shape, mesh, placements, target) -> dict:
             if start < 0 or start + ws > hs:
                 return None
             cuts.append((d, start, ws))
+        if any(coord[m] != 0 for m in summed):
+            cuts.append((None, 0, 0))
         table[coord] = tuple(cuts)
     return table
 
 
 def _narrow(t, cuts):
     for dim, start, length in cuts:
-        t = t.narrow(dim, start, length)
+        t = torch.zeros_like(t) if dim is None else t.narrow(dim, start, length)
     return t
 
 

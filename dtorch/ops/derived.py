@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import value_shapes
+from . import generic, value_shapes
 
 from .binary import broadcast_rule
 from .generic import picklable
@@ -170,6 +170,9 @@ def derived_or_raise(func, name, targs, tkwargs) -> Entry:
     entry = derived_entry(func, targs, tkwargs, to_meta(targs), to_meta(tkwargs))
     if entry is not None:
         return entry
+    random = generic.random_error(func, targs, tkwargs)
+    if random is not None:
+        raise random
     if value_shapes.shape_depends_on_values(func, targs, tkwargs):
         leaves = pytree.tree_leaves((targs, tkwargs), is_leaf=lambda v: type(v) is TArg)
         raise value_shapes.refusal(name, [t for t in leaves if type(t) is TArg])

@@ -353,12 +353,9 @@ def _ruled_plan(entry, func, targs, tkwargs, flat, mesh) -> Plan:
 def _replicated_plan(func, targs, tkwargs, flat, mesh) -> Plan:
     """Every input is Replicate: every rank runs ``func`` on whole tensors, outputs are
     Replicate (see :mod:`dtorch.ops.generic`); eager when the outputs depend on values."""
-    why = generic.random_reason(func, targs, tkwargs)
-    if why is not None:
-        raise UnsupportedOpError(
-            f"{why}, and each rank's generator would draw different ones. Make random values "
-            f"with dtorch.rand / dtorch.randn / dtorch.randint (the same values as torch under "
-            f"dtorch.manual_seed, whatever the placements), or gather with .to_torch()")
+    random = generic.random_error(func, targs, tkwargs)
+    if random is not None:
+        raise random
     outputs = _infer_replicated(func, targs, tkwargs)
     if outputs is None or outputs.kind == "value":
         return Plan((), generic.picklable(func), None, None, mesh.ranks, EAGER, None)

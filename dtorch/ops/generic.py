@@ -152,6 +152,18 @@ def random_reason(func, args, kwargs) -> str | None:
     return None
 
 
+def random_error(func, args, kwargs):
+    """The UnsupportedOpError for a call with random results (whatever the placements), or
+    None when it is deterministic."""
+    why = random_reason(func, args, kwargs)
+    if why is None:
+        return None
+    return UnsupportedOpError(
+        f"{why}, and each rank's generator would draw different ones. Make random values "
+        f"with dtorch.rand / dtorch.randn / dtorch.randint (the same values as torch under "
+        f"dtorch.manual_seed, whatever the placements), or gather with .to_torch()")
+
+
 def run_eager(controller, func, cargs, ckwargs, mesh, wrap, node=None, grad_tids=(),
               requires_grad=None):
     """Run ``func`` on every rank of ``mesh`` now and return its result with DTensors

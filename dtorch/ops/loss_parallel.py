@@ -30,7 +30,7 @@ from ..errors import PlacementError
 from ..layout import local_offset
 from ..placement import Partial, Replicate, Shard
 from ..runtime.messages import Coord
-from .explain import code_placements, with_dim
+from .explain import code_placements, fix_line, with_dim
 from .losses import dispatch_op, reduce_loss, target_weights
 from .registry import Decision, rule
 
@@ -106,7 +106,8 @@ def _check(bound) -> None:
         raise PlacementError(
             f"F.cross_entropy: the logits' classes are sharded ({code_placements(x.placements)})"
             f"; loss parallel takes class-index targets as a DTensor on the same mesh. For "
-            f"class probabilities, redistribute the logits' class dim to Replicate first")
+            f"class probabilities, redistribute the logits' class dim to Replicate first:\n"
+            + fix_line("input", x, [R if m in dims else p for m, p in enumerate(x.placements)]))
     for m in range(x.device_mesh.ndim):
         want = _target_placement(x.placements[m], m in dims)
         if want is None or t.placements[m] != want:

@@ -11,8 +11,9 @@ Every op is read as an einsum over dim labels; per mesh dim:
 
 A bias (``linear``, ``addmm``) must match the product's placement: Shard like the output
 dim it spans (a Replicate bias is narrowed locally), Replicate beside Replicate, and
-``Partial('sum')`` beside ``Partial('sum')`` (``bias.redistribute(placements=[Partial()])``
-is free). Example::
+``Partial('sum')`` beside ``Partial('sum')`` (a Replicate bias is made so locally, as
+``bias.redistribute(placements=[Partial()])`` would: its value on the first rank of that mesh
+dim, zeros elsewhere). Example::
 
     >>> matmul_labels(2, 2)
     ((('n', 'k'), ('k', 'm')), ('n', 'm'))
@@ -170,11 +171,11 @@ def bias_target(op, placements, bias, out_shape) -> tuple:
                 want = Shard(bd)
         elif isinstance(o, Partial):
             want = o if o.reduce_op == "sum" or b.is_partial() else R
-        if b == want or (b == R and isinstance(want, Shard)):
+        if b == want or (b == R and (isinstance(want, Shard) or want == Partial("sum"))):
             target[m] = want
             continue
-        op.fail(m, LEGAL + "; bias: like the product (Replicate is narrowed locally), "
-                "Partial('sum') beside a Partial('sum') product",
+        op.fail(m, LEGAL + "; bias: like the product (Replicate is narrowed locally, or made "
+                "Partial('sum') beside a Partial('sum') product)",
                 {bias: with_dim(bias.placements, m, want)},
                 f"the product is {o} on this mesh dim, the bias {b}")
     return tuple(target)

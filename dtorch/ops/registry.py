@@ -92,6 +92,9 @@ def display_name(func) -> str:
     coverage name a callable."""
     if isinstance(func, torch._ops.OpOverloadPacket):
         return func._qualified_op_name.replace("::", ".")
+    if isinstance(func, torch._ops.OpOverload):  # aten._softmax.default is aten._softmax
+        packet = display_name(func.overloadpacket)
+        return packet if func._overloadname == "default" else f"{packet}.{func._overloadname}"
     name = getattr(func, "__name__", None)
     for prefix, ns in _NAMESPACES:
         if name and getattr(ns, name, None) is func:

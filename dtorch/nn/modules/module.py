@@ -33,8 +33,9 @@ from ..state_dict import load_value
 _running: list = []  # the dtorch modules whose __call__ is running, outermost first
 
 
-class Module(torch.nn.Module):
-    """torch.nn.Module with DTensor parameters/buffers and redistribute hooks."""
+class DTensorModuleMixin:
+    """What makes a ``torch.nn.Module`` hold DTensors: mixed in before a torch.nn class (``Module``
+    below; ``dtorch.parallelize_module`` swaps a plain module's class to ``(this, cls)``)."""
 
     # hooks around forward (seed 003) ---------------------------------------------------------
     def redistribute_input(self, *args, **kwargs):
@@ -199,6 +200,10 @@ class Module(torch.nn.Module):
                 if (len(head) > 1 and head[0] not in self._modules) or (
                         len(head) == 1 and head[0] not in local):
                     unexpected_keys.append(key)
+
+
+class Module(DTensorModuleMixin, torch.nn.Module):
+    """torch.nn.Module with DTensor parameters/buffers and redistribute hooks."""
 
 
 def _check_name(module, name: str, kind: str) -> None:
