@@ -274,3 +274,37 @@ def test_plan_sees_a_replicate_constant(mesh1d):
     plan = plan_of(torch.add, (x, torch.randn(5, 3)))
     assert plan.out_specs[0].placements == (Shard(0),)
     assert plan is plan_of(torch.add, (x, torch.randn(5, 3)))  # one cache entry per shape
+
+
+class _Positional(torch.nn.Module):
+    """torch.nn code that makes its constants in forward, as transformers' models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 8)
+
+    def forward(self, x):
+        seq = x.shape[1]
+        positions = torch.arange(seq, dtype=torch.float32)[:, None]  # a new tensor per call
+        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+        h = self.proj(x) + positions
+        scores = h @ h.transpose(-1, -2)
+        return scores.masked_fill(~causal, 0.0)
+
+
+def test_a_parallelized_module_sends_its_constants_once(mesh1d):
+    torch.manual_seed(0)
+    ref = _Positional()
+    model = _Positional()
+    model.load_state_dict(ref.state_dict())
+    dtorch.parallelize_module(model, mesh1d, {"proj": dtorch.ColwiseParallel(
+        output_layouts=Replicate())})
+    xv = torch.randn(5, 7, 6)
+    x = dt(xv, mesh1d, (Shard(0),))
+    with torch.no_grad():
+        want = ref(xv)
+        out, _, first = counted(lambda: model(x))
+        torch.testing.assert_close(out.to_torch(), want, rtol=1e-5, atol=1e-5)
+        out, _, again = counted(lambda: model(x))
+    assert first > 0 and again == 0
+    torch.testing.assert_close(out.to_torch(), want, rtol=1e-5, atol=1e-5)
