@@ -43,6 +43,9 @@ def __getattr__(name: str):
     """``dtorch.relu``, ``dtorch.matmul``, ...: torch functions with a placement rule."""
     if name.startswith("__"):
         raise AttributeError(f"module 'dtorch' has no attribute {name!r}")
+    if name in ("constants_sent", "clear_constants"):  # plain tensors as constants
+        from .ops import constants
+        return getattr(constants, name)
     if name in ("nn", "ops", "random", "parallel"):
         import importlib
         return importlib.import_module(f".{name}", __name__)

@@ -45,12 +45,19 @@ class CommLedger:
 
     def __init__(self):
         self.records: list[CommRecord] = []
+        self.constant_sends = 0  # plain tensors sent from the controller as constants
+        self.constant_bytes = 0  # their bytes per receiving rank (not collectives)
 
     def add(self, record: CommRecord) -> None:
         self.records.append(record)
 
+    def add_constant(self, nbytes: int) -> None:
+        self.constant_sends += 1
+        self.constant_bytes += nbytes
+
     def clear(self) -> None:
         self.records.clear()
+        self.constant_sends = self.constant_bytes = 0
 
     def get_comm_counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -164,6 +171,13 @@ def record(rec: CommRecord) -> None:
         ledger.add(rec)
 
 
+def record_constant(nbytes: int, ranks: int) -> None:
+    """Tell every open ledger the controller sent a constant of ``nbytes`` to each of
+    ``ranks`` ranks (see :mod:`dtorch.ops.constants`; not a collective)."""
+    for ledger in _listeners:
+        ledger.add_constant(nbytes)
+
+
 def record_steps(steps: Iterable) -> None:
     """Record the collective steps of a redistribute plan, or of a composite op's plan
     (``CompositePlan.collectives``: its all_to_all and send_recv steps, as the ranks run them)."""
@@ -197,6 +211,11 @@ class CommDebugMode(CommLedger):
 
     def get_comm_records(self) -> list[CommRecord]:
         return list(self.records)
+
+    def get_constant_bytes(self) -> int:
+        """Bytes per rank of the plain-tensor constants sent from the controller meanwhile
+        (none for a cached one; see :mod:`dtorch.ops.constants`)."""
+        return self.constant_bytes
 
     def get_gradient_comm_counts(self) -> dict[str, dict[str, int]]:
         """``{parameter name: {kind: count}}`` for the collectives a backward ran to bring

@@ -7,6 +7,12 @@ True
 
 import os
 
+# Plain torch tensors beside DTensors are sent as Replicate constants (dtorch.ops.constants):
+# the controller's cache of them holds at most this many bytes (each rank holds each whole),
+constant_cache_bytes: int = 256 * 2**20
+# and one bigger than this warns once per shape (make it a DTensor instead).
+constant_warn_bytes: int = 64 * 2**20
+
 # Set by the runtime while a cluster is up; None before it starts.
 _running_world_size: int | None = None
 

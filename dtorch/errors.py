@@ -53,4 +53,6 @@ class UnsupportedOpError(DTorchError, NotImplementedError):
 
 
 class MixedTensorError(UnsupportedOpError, TypeError):
-    """A plain torch.Tensor was mixed with sharded DTensors (make it a DTensor first)."""
+    """A plain torch.Tensor met DTensors where a Replicate constant would be wrong: it
+    requires grad, is an in-place target or ``out=``, or is on another device type (see
+    :mod:`dtorch.ops.constants`); make it a DTensor first."""

@@ -11,7 +11,8 @@ After the cell (``post_run_cell``, which ipykernel triggers before it builds the
    failure on a rank becomes the cell's error: its traceback is the cell's error output and
    the execute reply has ``status: "error"``, exactly as if the cell had raised it;
 3. wait until what the ranks printed meanwhile has arrived (worker output forwarding);
-4. when the cell issued collectives and counts are on, display one summary of them
+4. when the cell issued collectives or sent constants (plain tensors, see
+   :mod:`dtorch.ops.constants`) and counts are on, display one summary of them
    (``text/plain`` line plus a small HTML table), before the error if there is one.
 
 A cell that shipped nothing (plain Python) never waits. An interrupted cell (KeyboardInterrupt)
@@ -48,6 +49,7 @@ class CellReport:
         self.forwarder = forwarder
         self.counts_enabled = True
         self.last_records: list = []
+        self.last_constants = (0, 0)  # (sends, bytes per rank) of the last cell's constants
         self._ledger: comm_debug.CommLedger | None = None
         self._before = (None, None)
         self._owed = False  # an interrupted cell shipped work nobody has waited for yet
@@ -79,10 +81,12 @@ class CellReport:
     def post_run_cell(self, result) -> None:
         ledger = self._close_ledger()
         records = list(ledger.records) if ledger is not None else []
-        self.last_records = records
+        constants = (ledger.constant_sends, ledger.constant_bytes) if ledger is not None \
+            else (0, 0)
+        self.last_records, self.last_constants = records, constants
         error = self._finish_work(result)
-        if records and self.counts_enabled:
-            self._display(records)
+        if (records or constants[0]) and self.counts_enabled:
+            self._display(records, constants)
         if error is not None:
             self._set_cell_error(result, error)
 
@@ -139,10 +143,11 @@ class CellReport:
         except Exception:  # noqa: BLE001 - output forwarding is best effort
             pass
 
-    def _display(self, records) -> None:
+    def _display(self, records, constants=(0, 0)) -> None:
         from IPython.display import display
         try:
-            display(summary_bundle(records), raw=True, metadata=summary_metadata(records))
+            display(summary_bundle(records, constants=constants), raw=True,
+                    metadata=summary_metadata(records, constants))
         except Exception:  # noqa: BLE001
             pass
 

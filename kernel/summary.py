@@ -14,6 +14,12 @@ form is what ``text/plain`` frontends and saved notebooks show. Example::
     'dtorch: all_reduce (backward) x1 (dim dp, 64 B/rank; for fc.weight)'
     >>> summary_text([])
     ''
+
+Plain torch tensors the cell sent as constants (see ``dtorch.ops.constants``; not collectives)
+get a part of their own::
+
+    >>> summary_text([], constants=(2, 1536))
+    'dtorch: constants sent x2 (from the controller, 1.5 KiB/rank)'
 """
 
 from __future__ import annotations
@@ -49,23 +55,32 @@ def rows(records) -> list[tuple[str, str, int, int]]:
             for r in group_records(records)]
 
 
-def summary_text(records) -> str:
+def constants_text(constants) -> str:
+    """``constants sent xN (from the controller, B/rank)`` for ``(sends, bytes per rank)``."""
+    sends, nbytes = constants
+    return f"constants sent x{sends} (from the controller, {fmt_bytes(nbytes)}/rank)" \
+        if sends else ""
+
+
+def summary_text(records, constants=(0, 0)) -> str:
     """One line naming each collective kind, its count, mesh dim and bytes per rank, and the
-    parameters whose gradients a backward's collectives reduced."""
+    parameters whose gradients a backward's collectives reduced; ``constants``: ``(sends,
+    bytes per rank)`` of the plain tensors sent as constants."""
     from dtorch.comm_debug import gradients_text, group_records
     records = list(records)
+    const = constants_text(constants)
     if not records:
-        return ""
+        return f"dtorch: {const}" if const else ""
     parts = []
     for r in group_records(records):
         dim = "-" if r.dim == "-" else f"dim {r.dim}"
         grads = f"; for {gradients_text(r.gradients)}" if r.gradients else ""
         parts.append(f"{r.label} x{r.count} ({dim}, {fmt_bytes(r.bytes_per_rank)}/rank{grads})")
     head = "dtorch: " if len(records) == 1 else f"dtorch: {len(records)} collectives: "
-    return head + "; ".join(parts)
+    return head + "; ".join(parts + ([const] if const else []))
 
 
-def summary_metadata(records) -> dict:
+def summary_metadata(records, constants=(0, 0)) -> dict:
     """Display metadata that lets tools find the summary and read its counts.
 
     >>> from dtorch.comm_debug import CommRecord
@@ -76,18 +91,23 @@ def summary_metadata(records) -> dict:
     for rec in records:
         counts[rec.kind] = counts.get(rec.kind, 0) + 1
     return {"dtorch": {"cell_collectives": True, "counts": counts,
-                       "rows": [list(r) for r in rows(records)]}}
+                       "rows": [list(r) for r in rows(records)],
+                       "constants": {"sends": constants[0], "bytes_per_rank": constants[1]}}}
 
 
-def summary_bundle(records, title: str = TITLE) -> dict:
+def summary_bundle(records, title: str = TITLE, constants=(0, 0)) -> dict:
     """The mime bundle the kernel displays: the static table of ``dtorch_widgets`` as
     ``text/html`` (no widget: a cell summary must stay light) and the line as ``text/plain``."""
     records = list(records)
     data = {}
     try:
-        from dtorch_widgets import comm_mimebundle
-        data = comm_mimebundle(records, title, exclude={WIDGET_MIME})
+        if records:
+            from dtorch_widgets import comm_mimebundle
+            data = comm_mimebundle(records, title, exclude={WIDGET_MIME})
     except Exception:  # noqa: BLE001 - the text line is enough
         data = {}
-    data["text/plain"] = summary_text(records)
+    const = constants_text(constants)
+    if const:
+        data["text/html"] = data.get("text/html", "") + f"<p>dtorch: {const}</p>"
+    data["text/plain"] = summary_text(records, constants)
     return data

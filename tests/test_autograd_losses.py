@@ -361,7 +361,10 @@ def test_bad_loss_inputs_are_refused_before_anything_is_sent(live):
     dtorch.synchronize()
     refused(lambda: F.mse_loss(partial, other), dtorch.PlacementError,
             "Partial")
-    refused(lambda: F.cross_entropy(x, t), MixedTensorError, "make it a DTensor")
+    refused(lambda: F.mse_loss(x, torch.randn(N, 5, requires_grad=True)), MixedTensorError,
+            "gradient would be lost")  # a plain target is a constant, unless it wants a grad
+    torch.testing.assert_close(F.cross_entropy(x, t).to_torch(),
+                               F.cross_entropy(_float(N, 5), t))
     refused(lambda: F.cross_entropy(logits, t_s0), dtorch.PlacementError,
             r"target.redistribute\(placements=\[Replicate\(\)\]\)")
     refused(lambda: F.cross_entropy(logits, probabilities), dtorch.PlacementError,

@@ -173,6 +173,18 @@ def test_summary_appears_exactly_when_a_cell_moves_data(kernel):
     assert kernel.ok("x.local_shapes()").summaries == []
 
 
+def test_summary_shows_constant_bytes_once(kernel):
+    """A plain tensor beside a DTensor is sent once as a constant (dtorch.ops.constants): the
+    cell that sends it says so; the same constant again sends nothing and shows nothing."""
+    kernel.ok(SETUP)
+    kernel.ok("dtorch.clear_constants()\nmask = torch.ones(4, 4)")
+    (text, meta), = kernel.ok("y = x + mask").summaries
+    assert text == "dtorch: constants sent x1 (from the controller, 64 B/rank)"
+    assert meta["counts"] == {} and meta["constants"] == {"sends": 1, "bytes_per_rank": 64}
+    assert kernel.ok("y = x + mask").summaries == []
+    assert kernel.ok("y.to_torch()[0].tolist()").result == "[1.0, 2.0, 3.0, 4.0]"
+
+
 def test_summary_names_every_kind_with_counts_dims_and_bytes(kernel):
     kernel.ok(SETUP)
     cell = kernel.ok("""

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import dtorch
 from dtorch import Partial, Replicate, Shard
 from test_ops_support import Batch, dt, illegal, make, no_comm
 
@@ -75,8 +76,13 @@ def test_illegal_attention(mesh1d):
     kk = torch.randn(2, 2, 4, 8)
     a, b, c = dt(kq, mesh1d, [Shard(1)]), dt(kk, mesh1d, [Shard(1)]), dt(kk, mesh1d, [Shard(1)])
     illegal(lambda: F.scaled_dot_product_attention(a, b, c, enable_gqa=True), match="kv heads")
-    with pytest.raises(NotImplementedError, match="dropout_p"):  # runs on DTensors alone
-        F.scaled_dot_product_attention(q0, K, v0, dropout_p=0.1)
+    # a plain key is a Replicate constant (dtorch.ops.constants): dropout runs as with a
+    # Replicate DTensor key, the same masks under the same seed
+    dtorch.manual_seed(3)
+    got = F.scaled_dot_product_attention(q0, K, v0, dropout_p=0.1)
+    dtorch.manual_seed(3)
+    want = F.scaled_dot_product_attention(q0, dt(K, mesh1d, [R]), v0, dropout_p=0.1)
+    assert got.placements == (Shard(0),) and torch.equal(got.to_torch(), want.to_torch())
 
 
 def test_a_replicate_query_key_or_value_beside_shards_is_narrowed(mesh1d, mesh2d):

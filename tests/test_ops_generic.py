@@ -164,8 +164,10 @@ def test_plain_tensors_beside_replicated_inputs_are_constants(mesh1d):
     assert torch.allclose(torch.masked.std(dt(z, mesh1d, [R])).to_torch(), torch.masked.std(z))
     x = torch.randn(3, 4)
     assert torch.allclose((dt(x, mesh1d, [R]) + torch.ones(4)).to_torch(), x + 1)
-    with pytest.raises(TypeError, match="plain torch.Tensor"):
-        dt(x, mesh1d, [Shard(0)]) + torch.ones(4)  # a sharded input: still refused
+    got = dt(x, mesh1d, [Shard(0)]) + torch.ones(4)  # beside a Shard too (dtorch.ops.constants)
+    assert got.placements == (Shard(0),) and torch.allclose(got.to_torch(), x + 1)
+    sharded = torch.masked.std(dt(z, mesh1d, [Shard(0)]), dim=1)
+    assert torch.allclose(sharded.to_torch(), torch.masked.std(z, dim=1))
 
 
 def test_sparse_tensors_are_refused_clearly_and_nothing_breaks(mesh1d):

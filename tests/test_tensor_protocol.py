@@ -235,8 +235,8 @@ def test_index(mesh1d):
 
 
 def test_numpy_operands_are_tensors_as_torch_takes_them(mesh1d):
-    """``x + ndarray`` is ``x + torch.as_tensor(ndarray)`` (a constant beside Replicate, the
-    MixedTensorError beside a Shard), never a silent gather into an ndarray; ``ndarray + x``
+    """``x + ndarray`` is ``x + torch.as_tensor(ndarray)`` (a Replicate constant beside any
+    placements, see dtorch.ops.constants), never a silent gather into an ndarray; ``ndarray + x``
     defers to DTensor as torch.Tensor's ``__array_priority__`` makes numpy do."""
     t, a = torch.randn(4, 3), np.full((4, 3), 2.0, dtype=np.float32)
     rep = make(t, mesh1d, (R,), 1)
@@ -246,6 +246,8 @@ def test_numpy_operands_are_tensors_as_torch_takes_them(mesh1d):
     got = rep * np.float32(3)
     assert isinstance(got, dtorch.DTensor) and torch.equal(got.to_torch(), t * 3)
     sharded = make(t, mesh1d, (Shard(0),), 1)
-    with pytest.raises(dtorch.MixedTensorError):
-        sharded + a
+    with dtorch.CommDebugMode() as mode:  # a Replicate constant, narrowed on each rank
+        got = sharded + a
+    assert mode.get_total_counts() == 0 and got.placements == (Shard(0),)
+    assert torch.equal(got.to_torch(), t + torch.as_tensor(a))
     assert type(sharded).__array_priority__ == torch.Tensor.__array_priority__

@@ -19,12 +19,12 @@ import torch.utils._pytree as pytree
 
 from .. import comm_debug
 from ..autograd.record import NOT_RECORDED, record_call, wants_grad
-from ..errors import MixedTensorError, PlacementError, UnsupportedOpError
+from ..errors import PlacementError, UnsupportedOpError
 from ..runtime import messages as m
 from ..runtime import session
 from ..tensor import DTensor, make_spec
 from ..placement import Replicate
-from . import derived, generic, value_shapes
+from . import constants, derived, generic, value_shapes
 from .infer import Outputs, describe, rebuild, to_meta, to_zeros
 from .registry import DECOMPOSED as _DECOMPOSED
 from .registry import PREP as _PREP
@@ -82,10 +82,10 @@ def _prep(a, key: list, tensors: list):
 
 
 def _prep_other(a, key, tensors):
-    if isinstance(a, DTensor):
+    if isinstance(a, DTensor):  # a constant not sent yet too: its Load goes before the call
         tensors.append(a)
         key.append(a._spec)
-        return _new_tuple(_Ref, (a._tid,))
+        return _new_tuple(_Ref, (constants.tid_of(a),))
     if type(a) is slice:
         if any(isinstance(v, DTensor) for v in (a.start, a.stop, a.step)):
             raise TypeError("slice bounds must be ints, not DTensors; use int(t) or t.item()")
@@ -95,9 +95,8 @@ def _prep_other(a, key, tensors):
         key.append(a.step)
         return a
     if isinstance(a, torch.Tensor):
-        if a.dim() != 0:  # fine without DTensors (plain torch); _plan raises otherwise
-            key.append(_NOCACHE)
-            return a
+        if a.dim() != 0:  # beside DTensors a Replicate constant: see dtorch.ops.constants
+            raise constants.PlainTensor
         key.append(torch.Tensor)
         key.append(a.dtype)
         key.append(a.item())  # cached plans replay their arguments: the value is part of it
@@ -155,7 +154,7 @@ def _fast_binary(func, args):
 
 def _dispatch(func, args, kwargs=None):
     if func in _DECOMPOSED:  # runs as other DTensor ops (see registry.decomposed)
-        result = _DECOMPOSED[func](func, args, kwargs or {})
+        result = _DECOMPOSED[func](func, *constants.swap_plain(func, args, kwargs or {}))
         if result is not NotImplemented:
             return result
     if func in _PREP:  # index/size values given as tensors (tensor_split's indices) -> ints
@@ -163,24 +162,29 @@ def _dispatch(func, args, kwargs=None):
     key = [func]
     tensors: list = []
     cargs = []
-    for a in args:  # the common argument types inline; the rest through _prep
-        t = type(a)
-        if t is DTensor:
-            tensors.append(a)
-            key.append(a._spec)
-            cargs.append(_new_tuple(_Ref, (a._tid,)))
-        elif t is float or t is int:
-            key.append(t)
-            key.append(a if a == a else _NOCACHE)
-            cargs.append(a)
-        else:
-            cargs.append(_prep(a, key, tensors))
-    ckwargs = {}
-    if kwargs:
-        for k, v in kwargs.items():
-            key.append(k)
-            ckwargs[k] = _prep(v, key, tensors)
+    try:
+        for a in args:  # the common argument types inline; the rest through _prep
+            t = type(a)
+            if t is DTensor:
+                tensors.append(a)
+                key.append(a._spec)
+                cargs.append(_new_tuple(_Ref, (a._tid,)))
+            elif t is float or t is int:
+                key.append(t)
+                key.append(a if a == a else _NOCACHE)
+                cargs.append(a)
+            else:
+                cargs.append(_prep(a, key, tensors))
+        ckwargs = {}
+        if kwargs:
+            for k, v in kwargs.items():
+                key.append(k)
+                ckwargs[k] = _prep(v, key, tensors)
+    except constants.PlainTensor:
+        tensors = key = None
     if not tensors:
+        if key is None:  # plain tensors: cached Replicate constants, then dispatch again
+            return _with_constants(func, args, kwargs)
         return func(*args, **(kwargs or {}))
     key = tuple(key)
     plan = _cache.get(key)
@@ -225,6 +229,15 @@ def _dispatch(func, args, kwargs=None):
     return rebuild(outputs, [_wrap(s, t, c) for s, t in zip(specs, tids)])
 
 
+def _with_constants(func, args, kwargs):
+    """The call with its plain tensors as cached Replicate constants (dtorch.ops.constants),
+    or plain torch when no DTensor is among the arguments."""
+    swapped = constants.substitute(func, args, kwargs)
+    if swapped is None:
+        return func(*args, **(kwargs or {}))
+    return dispatch(func, None, *swapped)
+
+
 def plan_of(func, args, kwargs=None) -> Plan:
     """The plan a call would run, from the cache or planned now; nothing is issued, and it
     raises what the call would raise (a rule's PlacementError). Example::
@@ -234,11 +247,19 @@ def plan_of(func, args, kwargs=None) -> Plan:
     args, kwargs = prep_call(func, tuple(args), kwargs or {})
     kwargs = kwargs or {}
     key, tensors = [func], []
-    for a in args:
-        _prep(a, key, tensors)
-    for k, v in kwargs.items():
-        key.append(k)
-        _prep(v, key, tensors)
+    try:
+        for a in args:
+            _prep(a, key, tensors)
+        for k, v in kwargs.items():
+            key.append(k)
+            _prep(v, key, tensors)
+    except constants.PlainTensor:
+        key = None
+    if key is None:  # as the call would see them: cached Replicate constants
+        swapped = constants.substitute(func, args, kwargs)
+        if swapped is None:
+            raise TypeError("plan_of needs a DTensor among the arguments")
+        return plan_of(func, *swapped)
     key = tuple(key)
     return _cache.get(key) or _plan(func, args, kwargs, tensors, key)
 
@@ -278,9 +299,7 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
     name = entry.name if entry is not None else display_name(func)
     if "out" in kwargs and kwargs["out"] is not None:
         raise TypeError(f"{name}: out= is not supported on DTensors; use the returned DTensor")
-    constants = _has_plain_tensors((args, kwargs))
-    if constants and not generic.all_replicate(tensors):
-        _reject_plain_tensors((args, kwargs))
+    plain = _has_plain_tensors((args, kwargs))  # dispatch made them constants: none left
     counter = iter(range(len(tensors)))
     labels = entry.arg_names if entry is not None else ("input", "other")
     targs = tuple(_targ(a, labels[i] if i < len(labels) else f"arg{i}", counter)
@@ -296,7 +315,7 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
                 f"{name}: inputs live on different meshes: {flat[0].label} on {mesh}, "
                 f"{t.label} on {t.mesh}. Move one with x.redistribute(device_mesh=...) (same "
                 f"mesh shape), or make both on one mesh")
-    if entry is None or constants:  # plain tensors beside Replicate DTensors: constants
+    if entry is None or plain:
         return _store(key, _replicated_plan(func, targs, tkwargs, flat, mesh))
     try:
         return _store(key, _ruled_plan(entry, func, targs, tkwargs, flat, mesh))
@@ -422,21 +441,6 @@ def _cpu_error(fn, targs, tkwargs, limit: int = 1 << 20, fill=torch.zeros):
     except Exception as exc:  # noqa: BLE001
         return exc
     return None
-
-
-def _reject_plain_tensors(obj) -> None:
-    if isinstance(obj, torch.Tensor) and obj.dim() != 0:
-        raise MixedTensorError(
-            f"a plain torch.Tensor of shape {tuple(obj.shape)} was mixed with sharded "
-            f"DTensors; make it a DTensor first: dtorch.tensor(t, device_mesh=mesh, "
-            f"placements=[...]) (0-dim tensors are fine as scalars; beside all-Replicate "
-            f"DTensors a plain tensor is a constant)")
-    if type(obj) in (list, tuple):
-        for x in obj:
-            _reject_plain_tensors(x)
-    elif type(obj) is dict:
-        for x in obj.values():
-            _reject_plain_tensors(x)
 
 
 def _store(key, plan):
