@@ -308,3 +308,36 @@ def test_a_parallelized_module_sends_its_constants_once(mesh1d):
         out, _, again = counted(lambda: model(x))
     assert first > 0 and again == 0
     torch.testing.assert_close(out.to_torch(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_constant_is_never_changed_through_an_aliasing_output(mesh1d):
+    """``t.type_as(x)`` / ``t.view_as(x)`` may return the constant itself on the ranks: an
+    in-place op on that output must not change what the next use of an equal tensor reads."""
+    dtorch.clear_constants()
+    x = dtorch.tensor(torch.zeros(4, 4), device_mesh=mesh1d, placements=[Shard(0)])
+    torch.ones(4, 4).type_as(x).add_(5)
+    assert torch.equal((x + torch.ones(4, 4)).to_torch(), torch.ones(4, 4))
+    torch.ones(4, 4).view_as(x).mul_(3)
+    assert torch.equal((x + torch.ones(4, 4)).to_torch(), torch.ones(4, 4))
+    assert dtorch.constants_sent().sends == 1  # one cached value, a rank-local copy per use
+
+
+def test_small_constants_see_writes_torch_does_not_count(mesh1d):
+    x = dtorch.tensor(torch.zeros(4, 4), device_mesh=mesh1d, placements=[Shard(0)])
+    m = torch.full((4, 4), 2.0)
+    assert torch.equal((x + m).to_torch(), m)
+    m.data.add_(10)  # no version bump
+    assert torch.equal((x + m).to_torch(), torch.full((4, 4), 12.0))
+    m.numpy()[:] = 7
+    assert torch.equal((x + m).to_torch(), torch.full((4, 4), 7.0))
+
+
+def test_a_plain_in_place_target_of_any_dim_is_refused(mesh1d):
+    total = torch.tensor(5.0)
+    loss = dtorch.tensor(torch.tensor(2.0), device_mesh=mesh1d)
+    c = session.get_controller()
+    before = c.issued
+    with pytest.raises(MixedTensorError, match="in-place target"):
+        total.add_(loss)
+    assert c.issued == before
+    assert total.item() == 5.0 and loss.to_torch().item() == 2.0

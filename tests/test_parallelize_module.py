@@ -374,3 +374,14 @@ def test_mesh_getitem_by_name(m22):
     assert m22["dp"] != sub and m22["dp", "tp"].dim is None and sub == m22["tp"]
     with pytest.raises(MeshError, match="one dim by name"):
         m22["tp", "dp"]
+
+
+def test_a_plain_input_that_requires_grad_is_refused(live):
+    """Sent as a new DTensor its gradient would not reach the caller's graph: refused."""
+    mesh = dtorch.init_device_mesh("cpu", 4, mesh_dim_names=("tp",))
+    layer = torch.nn.Linear(4, 8)
+    dtorch.parallelize_module(layer, mesh, ColwiseParallel())
+    w0 = torch.randn(4, 4, requires_grad=True)
+    with pytest.raises(dtorch.MixedTensorError, match="requires grad"):
+        layer(torch.randn(3, 4) @ w0)
+    assert layer(torch.randn(3, 4)).shape == (3, 8)  # a plain input without grad is sent

@@ -97,6 +97,7 @@ def substitute(func, args, kwargs):
     _scan((args, kwargs or {}), dtensors, plains)
     if not dtensors:
         return None
+    check_plain_target(func, args)
     if not plains:
         return args, kwargs
     first = dtensors[0]
@@ -152,13 +153,10 @@ def _check(func, args, kwargs, plains, mesh) -> None:
         name = display_name(func)
         raise MixedTensorError(f"{name}: out= is a plain torch.Tensor, but the result is a "
                                f"DTensor; use the returned DTensor (y = {name}(...))")
-    if args and args[0] is plains[0] and _inplace(func):
-        name = display_name(func)
-        raise MixedTensorError(
-            f"{name}: the in-place target is a plain torch.Tensor of shape "
-            f"{tuple(args[0].shape)} and the other operands are DTensors; a constant copy "
-            f"would be changed, not your tensor. Make it a DTensor first: t = dtorch.tensor(t, "
-            f"device_mesh=mesh, placements=[...]), or use the out-of-place op")
+    targets = args[0] if args and type(args[0]) in (list, tuple) else args[:1]
+    for target in targets:  # torch._foreach_add_([plain, ...], [dtensor, ...]) too
+        if isinstance(target, torch.Tensor) and _inplace(func):
+            _refuse_plain_target(func, target)
     for p in plains:
         if p.requires_grad and torch.is_grad_enabled():
             name = display_name(func)
@@ -181,6 +179,23 @@ def _check(func, args, kwargs, plains, mesh) -> None:
             name = display_name(func)
             raise MixedTensorError(f"{name}: a plain {p.layout} tensor met DTensors; constants "
                                    f"are dense: pass t.to_dense()")
+
+
+def check_plain_target(func, args) -> None:
+    """MixedTensorError when an in-place op's target is a plain tensor (0-dim too: it is no
+    scalar operand there; ``total.add_(loss)`` would change ``loss``)."""
+    if args and isinstance(args[0], torch.Tensor) and _inplace(func):
+        _refuse_plain_target(func, args[0])
+
+
+def _refuse_plain_target(func, target) -> None:
+    from .registry import display_name
+    name = display_name(func)
+    raise MixedTensorError(
+        f"{name}: the in-place target is a plain torch.Tensor of shape {tuple(target.shape)} "
+        f"and the other operands are DTensors; a constant copy (or the DTensor) would be "
+        f"changed, not your tensor. Make it a DTensor first: t = dtorch.tensor(t, "
+        f"device_mesh=mesh, placements=[...]), or use the out-of-place op (t = t + x)")
 
 
 def _inplace(func) -> bool:
@@ -206,7 +221,7 @@ def constant(t: torch.Tensor, mesh, c) -> DTensor:
         if hit is not None:
             _cache.move_to_end(key)
             _counts["hits"] += 1
-            return hit[0]
+            return _private(hit[0])
         # a copy: what is sent must be what was digested, whatever the caller does to t
         value = t.detach().resolve_conj().resolve_neg().cpu().clone()
         out = _unsent(value, mesh, c)
@@ -215,7 +230,53 @@ def constant(t: torch.Tensor, mesh, c) -> DTensor:
         if nbytes <= bound:
             _cache[key] = (out, nbytes)
             _evict(bound)
+            return _private(out)
         return out
+
+
+def _private(cached: DTensor) -> DTensor:
+    """A rank-local copy of a cached constant for one use (made when its op is issued; no
+    bytes sent): an op's output may alias its input (``t.view_as(x)``, ``t.type_as(x)``),
+    and an in-place op on that output must not change what every later use reads."""
+    obj = _Copy.__new__(_Copy)
+    obj._spec, obj._controller, obj._tid, obj._ag, obj._version = (
+        cached._spec, cached._controller, None, None, None)
+    key = id(obj)
+    _copies[key] = (cached._controller.new_tid(), cached,
+                    weakref.finalize(obj, _copies.pop, key, None))
+    return obj
+
+
+class _Copy(DTensor):
+    """A use of a cached constant, copied on the ranks when dispatch calls ``_live()`` (after
+    the op's plan is made, before it is issued); then a plain DTensor."""
+
+    __slots__ = ()
+
+    def _live(self):
+        return _copy_live(self)
+
+
+_copies: dict = {}  # id(_Copy) -> (tid, the cached DTensor, finalizer)
+
+
+def _copy_live(obj: _Copy):
+    with _lock:
+        if type(obj) is not _Copy:  # another thread made it meanwhile
+            return DTensor._live(obj)
+        c = obj._controller
+        entry = _copies.pop(id(obj), None)
+        if entry is None or c.closed or c is not session._controller:
+            obj._controller = None
+            return DTensor._live(obj)  # raises FreedTensorError, naming why
+        tid, cached, finalizer = entry
+        finalizer.detach()
+        cached._live()  # an unsent constant: its Load goes first
+        c.issue(m.Call((tid,), torch.clone, (m.Ref(cached._tid),), {}, cached._spec.mesh.ranks))
+        c.live_tensors += 1
+        obj._tid = tid
+        obj.__class__ = DTensor
+        return c
 
 
 class _Unsent(DTensor):
@@ -242,10 +303,11 @@ def _unsent(value, mesh, c) -> DTensor:
 
 
 def tid_of(x: DTensor):
-    """The id a DTensor's shards have (or will have once sent: an unsent constant's)."""
-    if x._tid is not None or type(x) is not _Unsent:
+    """The id a DTensor's shards have (or will have once sent or copied: a constant's)."""
+    if x._tid is not None:
         return x._tid
-    entry = _pending.get(id(x))
+    table = _pending if type(x) is _Unsent else _copies if type(x) is _Copy else None
+    entry = table.get(id(x)) if table is not None else None
     return entry[0] if entry is not None else None
 
 
@@ -301,14 +363,21 @@ def _warn_if_big(t, nbytes: int) -> None:
 
 
 # digests --------------------------------------------------------------------------------------
+ALWAYS_HASHED = 4096  # bytes: smaller tensors are hashed at every use, never memoized
+
+
 def digest(t: torch.Tensor) -> bytes:
-    """blake2b of ``t``'s bytes, memoized per object while its version counter, data pointer
-    and strides are unchanged (``t.add_(1)`` bumps the version: hashed again)."""
+    """blake2b of ``t``'s bytes; for a tensor over :data:`ALWAYS_HASHED` bytes memoized per
+    object while its version counter, data pointer and strides are unchanged (``t.add_(1)``
+    bumps the version: hashed again; a write through ``t.data`` or a NumPy view of a large
+    tensor does not, and is not seen: change it through torch, or pass a new tensor)."""
     try:
         version = t._version
     except (RuntimeError, AttributeError):  # inference tensors have no version counter
         version = None
     sig = (version, t.data_ptr(), t.shape, t.stride())  # data_ptr includes the offset
+    if t.numel() * t.element_size() <= ALWAYS_HASHED:  # writes via t.data / NumPy: seen
+        return hashlib.blake2b(_bytes(t), digest_size=16).digest()
     key = id(t)
     memo = _memo.get(key)
     if memo is not None and memo[0]() is t and memo[1] == sig:

@@ -39,6 +39,13 @@ def lay_out(x, target: Target, layout: Placement | None, desired: Placement | No
                                       default_placement_mode="keep")
     if not isinstance(x, torch.Tensor) or layout is None:
         return x
+    if x.requires_grad and torch.is_grad_enabled():
+        from ..errors import MixedTensorError
+        raise MixedTensorError(
+            f"a plain torch.Tensor input of shape {tuple(x.shape)} that requires grad met a "
+            f"parallelized module: sent to the ranks as a new DTensor, its gradient would not "
+            f"reach your graph. Make it a DTensor first (dtorch.tensor(t, device_mesh=mesh, "
+            f"placements=[...], requires_grad=True)), or pass t.detach()")
     from ..factories import distribute_tensor
     want = desired if desired is not None else layout
     return distribute_tensor(x, target.mesh, target.placements(_norm(want, x.dim())))
