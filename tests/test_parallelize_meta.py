@@ -86,3 +86,20 @@ def test_meta_parameter_without_an_init_is_refused(tp4):
                                             r"reset_parameters\(\).*Fix"):
         parallelize_module(model, tp4, {})
     assert session.get_controller().issued == before and type(model) is Scale
+
+
+def test_a_parents_init_of_its_childrens_tensors_wins(tp4):
+    """torch builds MultiheadAttention's out_proj (kaiming uniform, bias uniform) and then its
+    own _reset_parameters zeroes out_proj.bias and xavier-inits in_proj_weight: the replay
+    keeps that order."""
+    embed = 8
+    with torch.device("meta"):
+        mha = torch.nn.MultiheadAttention(embed, 2)
+    parallelize_module(mha, tp4, {})
+    assert torch.equal(mha.out_proj.bias.to_torch(), torch.zeros(embed))
+    assert torch.equal(mha.in_proj_bias.to_torch(), torch.zeros(3 * embed))
+    weight = mha.in_proj_weight.to_torch()
+    xavier = math.sqrt(6.0 / (embed + 3 * embed))
+    assert weight.abs().max() <= xavier and weight.abs().max() > xavier / 2
+    kaiming = 1 / math.sqrt(embed)  # out_proj.weight keeps Linear's own init
+    assert 0 < mha.out_proj.weight.to_torch().abs().max() <= kaiming

@@ -117,37 +117,55 @@ def _owned_meta(module) -> dict[int, str]:
 
 def record_inits(root: torch.nn.Module) -> dict[int, Recipe]:
     """Run each meta module's ``reset_parameters`` on its meta tensors, recording; refuse what
-    cannot be replayed (on the controller, before anything is sent)."""
-    recipes: dict[int, Recipe] = {}
-    for path, module in root.named_modules():
+    cannot be replayed (on the controller, before anything is sent). Children run first and a
+    parent's init of its children's tensors wins (``MultiheadAttention`` zeroes its
+    ``out_proj.bias``, ``Transformer`` re-inits every child weight), as torch's construction
+    order makes it."""
+    modules = list(root.named_modules())
+    owners: dict[int, tuple] = {}  # id(tensor) -> (path, module, name): its first owner
+    for path, module in modules:
         # a tensor shared by two modules (tied) keeps its first owner's init, as when the tie
         # is made after both modules were built
-        tracked = {k: v for k, v in _owned_meta(module).items() if k not in recipes}
-        if not tracked:
-            continue
+        for tid, name in _owned_meta(module).items():
+            owners.setdefault(tid, (path, module, name))
+    recipes: dict[int, Recipe] = {}
+    for path, module in reversed(modules):  # every child before its parent
+        tracked = {tid: name for tid, (p, owner, name) in owners.items()
+                   if owner is module or p.startswith(f"{path}.") or (not path and p)}
         reset = getattr(module, "reset_parameters", None) or getattr(
             module, "_reset_parameters", None)
+        if not tracked or reset is None:
+            continue
         rec = _Recorder(tracked)
-        if reset is not None:
-            with torch.no_grad(), rec:
-                reset()
-        for tid, name in tracked.items():
-            where = f"{path + '.' if path else ''}{name}"
+        with torch.no_grad(), rec:
+            reset()
+        for tid in tracked:
             if tid in rec.bad:
                 raise MetaInitError(
-                    f"{where} ({type(module).__name__}) is on the meta device and its init calls "
-                    f"{rec.bad[tid]}, which dtorch cannot replay shard by shard (it replays "
-                    f"uniform_, normal_, fill_, zero_). Fix: build the module on the cpu, or "
-                    f"load real values with load_state_dict after parallelize_module")
-            if tid not in rec.draws:
-                how = ("its reset_parameters() leaves it untouched" if reset is not None else
-                       f"{type(module).__name__} has no reset_parameters()")
-                raise MetaInitError(
-                    f"{where} is on the meta device and {how}, so it has no values to make. "
-                    f"Fix: give {type(module).__name__} a reset_parameters() that initialises "
-                    f"it (torch.nn.init), build it on the cpu, or load_state_dict afterwards")
-            recipes[tid] = Recipe(rec.draws[tid], tuple(rec.fills.get(tid, ())))
+                    f"{_where(owners[tid])} is on the meta device and the init of "
+                    f"{type(module).__name__} calls {rec.bad[tid]} on it, which dtorch cannot "
+                    f"replay shard by shard (it replays uniform_, normal_, fill_, zero_). Fix: "
+                    f"build the module on the cpu, or load real values with load_state_dict "
+                    f"after parallelize_module")
+            if tid in rec.draws:
+                recipes[tid] = Recipe(rec.draws[tid], tuple(rec.fills.get(tid, ())))
+    for tid, (path, module, name) in owners.items():
+        if tid not in recipes:
+            has = getattr(module, "reset_parameters", None) or getattr(
+                module, "_reset_parameters", None)
+            how = ("its reset_parameters() leaves it untouched" if has is not None else
+                   f"{type(module).__name__} has no reset_parameters()")
+            raise MetaInitError(
+                f"{_where(owners[tid])} is on the meta device and {how}, so it has no values "
+                f"to make. Fix: give {type(module).__name__} a reset_parameters() that "
+                f"initialises it (torch.nn.init), build it on the cpu, or load_state_dict "
+                f"afterwards")
     return recipes
+
+
+def _where(owner) -> str:
+    path, _, name = owner
+    return f"{path + '.' if path else ''}{name}"
 
 
 def make(recipe: Recipe, like: torch.Tensor, mesh, placements):
