@@ -389,3 +389,15 @@ def test_refused_ops_still_run_on_replicate_inputs(mesh1d):
     batch.add(hist, want.hist, [R])
     batch.add(list(edges), list(want.bin_edges), [R])
     batch.check()
+
+
+@pytest.mark.parametrize("convert", ["to_sparse", "to_sparse_csr"])
+@pytest.mark.parametrize("pl", [[Shard(0)], [R]], ids=["shard0", "replicate"])
+def test_sparse_conversions_refuse_as_on_replicate_inputs(mesh1d, convert, pl):
+    x = dt(torch.randn(5, 4), mesh1d, pl)
+    c = dtorch.runtime.session.get_controller()
+    before = c.issued
+    with pytest.raises(dtorch.UnsupportedOpError, match="DTensors are dense"):
+        getattr(x, convert)()
+    if pl != [R]:  # refused on the controller: nothing sent (Replicate finds out on a rank)
+        assert c.issued == before

@@ -10,7 +10,8 @@ collectives are planned, or refused with the redistribute that makes them legal.
 - ``cov``, ``corrcoef``, ``pdist``, ``histogramdd`` and training batch norm
   (``_batch_norm_with_update``) pair every row with every other or need the whole batch's
   statistics; ``as_strided_scatter``, ``resize_`` and ``resize_as_`` address the whole
-  storage: a ``PlacementError`` names the Replicate fix and the all_gather it costs. With
+  storage: a ``PlacementError`` names the Replicate fix and the all_gather it costs; the
+  ``to_sparse*`` conversions refuse as on Replicate inputs (DTensors are dense). With
   every input Replicate they run as any op does.
 
 Each is taken only when some DTensor input is not Replicate. Example::
@@ -184,3 +185,17 @@ if _BN_UPDATE is not None:
 
 __all__ = ["dist_as_norm", "equal_as_all", "linear_cross_entropy_as_losses", "refusal",
            "equal_shapes", "any_meta"]
+
+
+SPARSE_CONVERSIONS = tuple(getattr(torch.Tensor, n) for n in (
+    "to_sparse", "to_sparse_csr", "to_sparse_csc", "to_sparse_bsr", "to_sparse_bsc")
+    if hasattr(torch.Tensor, n))
+
+
+@decomposed(*SPARSE_CONVERSIONS)
+def sparse_conversion(func, args, kwargs):
+    """``x.to_sparse()`` on a sharded DTensor: the same layout refusal as on a Replicate one."""
+    if not _sharded(*args, *kwargs.values()):
+        return NotImplemented
+    from .generic import refuse_layout
+    refuse_layout(func, "sparse")
