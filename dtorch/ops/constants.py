@@ -260,17 +260,30 @@ class _Copy(DTensor):
 _copies: dict = {}  # id(_Copy) -> (tid, the cached DTensor, finalizer)
 
 
+def _claim(obj, cls, table):
+    """The pending entry of an unsent constant or copy being made live (its finalizer off), or
+    None: another thread made it meanwhile, or its cluster is gone (then ``DTensor._live``
+    returns the controller or raises FreedTensorError, naming why)."""
+    if type(obj) is not cls:
+        return None
+    c = obj._controller
+    entry = table.pop(id(obj), None)
+    if entry is None or c.closed or c is not session._controller:
+        obj._controller = None
+        return None
+    entry[-1].detach()
+    return entry
+
+
 def _copy_live(obj: _Copy):
+    """Copy the cached constant into this use's id on the ranks (sending it first if it was
+    never sent); then it is a DTensor."""
     with _lock:
-        if type(obj) is not _Copy:  # another thread made it meanwhile
+        entry = _claim(obj, _Copy, _copies)
+        if entry is None:
             return DTensor._live(obj)
         c = obj._controller
-        entry = _copies.pop(id(obj), None)
-        if entry is None or c.closed or c is not session._controller:
-            obj._controller = None
-            return DTensor._live(obj)  # raises FreedTensorError, naming why
-        tid, cached, finalizer = entry
-        finalizer.detach()
+        tid, cached, _ = entry
         cached._live()  # an unsent constant: its Load goes first
         c.issue(m.Call((tid,), torch.clone, (m.Ref(cached._tid),), {}, cached._spec.mesh.ranks))
         c.live_tensors += 1
@@ -315,15 +328,11 @@ def _load(obj: _Unsent):
     """Send an unsent constant to each rank of its mesh (from the controller, as
     ``dtorch.tensor(t, device_mesh=mesh)`` does), count it; then it is a DTensor."""
     with _lock:
-        if type(obj) is not _Unsent:  # another thread sent it meanwhile
+        entry = _claim(obj, _Unsent, _pending)
+        if entry is None:
             return DTensor._live(obj)
         c = obj._controller
-        entry = _pending.pop(id(obj), None)
-        if entry is None or c.closed or c is not session._controller:
-            obj._controller = None
-            return DTensor._live(obj)  # raises FreedTensorError, naming why
-        tid, value, finalizer = entry
-        finalizer.detach()
+        tid, value, _ = entry
         mesh = obj._spec.mesh
         nbytes = value.numel() * value.element_size()
         _warn_if_big(value, nbytes)
