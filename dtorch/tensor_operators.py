@@ -38,9 +38,10 @@ def install(cls, tensor_module) -> None:
 
     def binary(func):
         def dunder(self, other):
-            other = _operand(other)
-            if not isinstance(other, operands):
-                return NotImplemented
+            if not isinstance(other, operands):  # the common operands skip the NumPy checks
+                other = _operand(other)
+                if not isinstance(other, operands):
+                    return NotImplemented
             return tensor_module._dispatch(func, None, (self, other))
         dunder.__name__ = func.__name__
         return dunder

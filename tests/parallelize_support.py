@@ -44,6 +44,17 @@ def check_grads(model, ref, xd, xt):
         close(p.grad, grads[name].grad)
 
 
+def check_sum_backward(model, ref, y, xd, x):
+    """``y`` (the converted model's output on ``xd``) equals ``ref(x)``, and after
+    ``sum().backward()`` on both every gradient does too."""
+    xt = x.clone().requires_grad_()
+    want = ref(xt)
+    close(y, want)
+    y.sum().backward()
+    want.sum().backward()
+    check_grads(model, ref, xd, xt)
+
+
 class Tied(torch.nn.Module):
     def __init__(self, vocab=10, dim=6):
         super().__init__()

@@ -17,7 +17,8 @@ from dtorch import (ColwiseParallel, MeshError, Partial, PlacementError, Prepare
                     init_device_mesh, parallelize_module)
 from dtorch.runtime import session
 from ledgers import counted
-from parallelize_support import MLP, MLP_PLAN, Tied, check_grads, close, forward_counts
+from parallelize_support import (MLP, MLP_PLAN, Tied, check_grads, check_sum_backward, close,
+                                  forward_counts)
 
 R = Replicate()
 
@@ -176,12 +177,7 @@ def test_transformer_block_two_all_reduces(tp4, heads):
     xd = dtorch.distribute_tensor(x, tp4, [R]).requires_grad_()
     y, counts = forward_counts(model, xd)
     assert counts == {"all_reduce": 2}
-    xt = x.clone().requires_grad_()
-    want = ref(xt)
-    close(y, want)
-    y.sum().backward()
-    want.sum().backward()
-    check_grads(model, ref, xd, xt)
+    check_sum_backward(model, ref, y, xd, x)
 
 
 def test_transformer_block_on_dp_tp(mesh2d):
@@ -231,12 +227,7 @@ def test_sequence_parallel_norms(tp4, norm, seq, plan, gathers):
     # each tp region gathers the sequence in (q, k and v each, as in PyTorch, unless the
     # attention's input is gathered once) and reduce-scatters it out
     assert counts == {"all_gather": gathers, "reduce_scatter": 2}, counts
-    xt = x.clone().requires_grad_()
-    want = ref(xt)
-    close(y, want)
-    y.sum().backward()
-    want.sum().backward()
-    check_grads(model, ref, xd, xt)
+    check_sum_backward(model, ref, y, xd, x)
 
 
 def test_sequence_parallel_takes_a_torch_input_as_the_global_value(tp4):

@@ -169,16 +169,26 @@ def max_min_with_dim(func, args, kwargs):
     return result((values, indices))
 
 
+def _reduced_call(func, args, kwargs):
+    """``(x, dims)`` of a ``f(x, dim=None, keepdim)`` reduction over sharded dims of a DTensor
+    (torch's own argument checks run first), or None: the op's rule takes it."""
+    x, dim = args[0] if args else kwargs.get("input"), _arg(args, kwargs, 1, "dim")
+    if not isinstance(x, DTensor) or x.ndim == 0:
+        return None
+    dims = reduced_dims(dim, x.ndim)
+    if not _along_shard(x, dims):
+        return None
+    torch_check(func, x, args, kwargs)
+    return x, dims
+
+
 @decomposed(torch.argmax, torch.Tensor.argmax, torch.argmin, torch.Tensor.argmin)
 def argmax_argmin(func, args, kwargs):
     """``argmax``/``argmin`` along a sharded dim, or over all dims (the flat index)."""
-    x, dim = args[0] if args else kwargs.get("input"), _arg(args, kwargs, 1, "dim")
-    if not isinstance(x, DTensor) or x.ndim == 0:
+    call = _reduced_call(func, args, kwargs)
+    if call is None:
         return NotImplemented
-    dims = reduced_dims(dim, x.ndim)
-    if not _along_shard(x, dims):
-        return NotImplemented
-    torch_check(func, x, args, kwargs)
+    x, dims = call
     kind = "max" if func in (torch.argmax, torch.Tensor.argmax) else "min"
     return extreme(x, dims, kind, bool(_arg(args, kwargs, 2, "keepdim", False)))[1]
 
@@ -217,40 +227,38 @@ def _gathered_candidates(func, x, k, d, largest):
     return gathered(values, (d,)), gathered(indices, (d,))
 
 
-@decomposed(torch.topk, torch.Tensor.topk)
-def topk_along_shard(func, args, kwargs):
-    """``topk(x, k, dim, largest, sorted)`` along a sharded dim (see module doc)."""
+def _k_along_shard(func, args, kwargs, pick, result, largest=None):
+    """topk / kthvalue along a sharded dim: the k best candidates of every block, gathered,
+    then ``pick``; ``largest=None`` reads it from the call (topk), else it is fixed."""
     call = _k_call(func, args, kwargs)
     if call is None:
         return NotImplemented
-    x, k, d, largest = call
-    values, indices = _gathered_candidates(func, x, k, d, largest)
-    return torch.return_types.topk(dispatch(pick_topk, None, (values, indices, d, k, largest)))
+    x, k, d, flag = call
+    values, indices = _gathered_candidates(func, x, k, d, flag if largest is None else largest)
+    return result(dispatch(pick, None, (values, indices, d, k, flag)))
+
+
+@decomposed(torch.topk, torch.Tensor.topk)
+def topk_along_shard(func, args, kwargs):
+    """``topk(x, k, dim, largest, sorted)`` along a sharded dim (see module doc)."""
+    return _k_along_shard(func, args, kwargs, pick_topk, torch.return_types.topk)
 
 
 @decomposed(torch.kthvalue, torch.Tensor.kthvalue)
 def kthvalue_along_shard(func, args, kwargs):
     """``kthvalue(x, k, dim, keepdim)`` along a sharded dim: the k smallest per block."""
-    call = _k_call(func, args, kwargs)
-    if call is None:
-        return NotImplemented
-    x, k, d, keepdim = call
-    values, indices = _gathered_candidates(func, x, k, d, False)
-    return torch.return_types.kthvalue(dispatch(pick_kth, None,
-                                                (values, indices, d, k, keepdim)))
+    return _k_along_shard(func, args, kwargs, pick_kth, torch.return_types.kthvalue,
+                          largest=False)
 
 
 @decomposed(torch.logsumexp, torch.Tensor.logsumexp)
 def logsumexp_along_shard(func, args, kwargs):
     """``logsumexp(x, dim, keepdim)`` over sharded dims: each block's, gathered, then the
     log-sum-exp of those (exact for -inf and empty blocks)."""
-    x, dim = args[0] if args else kwargs.get("input"), _arg(args, kwargs, 1, "dim")
-    if not isinstance(x, DTensor) or x.ndim == 0:
+    call = _reduced_call(func, args, kwargs)
+    if call is None:
         return NotImplemented
-    dims = reduced_dims(dim, x.ndim)
-    if not _along_shard(x, dims):
-        return NotImplemented
-    torch_check(func, x, args, kwargs)
+    x, dims = call
     keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
     grid = grid_of(x.shape, x.device_mesh, x.placements, dims)
     if not x.dtype.is_floating_point:
