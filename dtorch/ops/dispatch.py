@@ -300,7 +300,7 @@ def _plan(func, args, kwargs, tensors, key) -> Plan:
     if "out" in kwargs and kwargs["out"] is not None:
         raise TypeError(f"{name}: out= is not supported on DTensors; use the returned DTensor")
     constants.check_plain_target(func, args)
-    plain = _has_plain_tensors((args, kwargs))  # dispatch made them constants: none left
+    plain = _has_plain_tensors((args, kwargs))  # beyond the constants scan (other containers)
     counter = iter(range(len(tensors)))
     labels = entry.arg_names if entry is not None else ("input", "other")
     targs = tuple(_targ(a, labels[i] if i < len(labels) else f"arg{i}", counter)
