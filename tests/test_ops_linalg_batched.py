@@ -145,6 +145,16 @@ def test_operands_sharded_alike_and_broadcast(mesh1d):
     illegal(lambda: torch.linalg.solve(a0, b2), match="Shard")
 
 
+def test_batch_dims_of_fewer_dims_line_up_from_the_right(mesh1d):
+    """B's one batch dim is A's second (torch broadcasts from the right): A sharded there
+    narrows B on that dim, not on its first."""
+    a, b = well(3, 5), gen(5, N, 2, seed=1)
+    batch = Batch()
+    got = no_comm(lambda: torch.linalg.solve(dt(a, mesh1d, [Shard(1)]), dt(b, mesh1d, [R])))
+    batch.add(got, torch.linalg.solve(a, b), [Shard(1)])
+    batch.check()
+
+
 @pytest.mark.parametrize("name", ["inv", "det", "qr", "svd", "solve", "cholesky", "eig"])
 def test_sharded_matrix_dim_refuses_with_fix(mesh1d, name):
     fn, inputs = CASES[name]
