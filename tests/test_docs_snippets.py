@@ -94,6 +94,11 @@ def _dropout(s):
     assert s["stream"].state().counter == 1
 
 
+def _transformers(s):
+    assert s["mode"].get_comm_counts() == {"all_reduce": 4}
+    assert s["tokens"].placements == (Shard(0), Replicate())
+
+
 CHECKS = {
     "d.local_shapes()": _quick_example,
     "out = xs @ ws": _operators,
@@ -101,6 +106,7 @@ CHECKS = {
     "nn.full_state_dict(mlp)": _tp_mlp,
     "loss.backward()\nm.get_comm_counts()": _autograd,
     "stream.dropout(": _dropout,
+    "transformers' own generate": _transformers,
 }
 
 

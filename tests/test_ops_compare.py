@@ -1,4 +1,5 @@
-"""Comparisons: broadcasting like binary ops, exact bool results, no Partial input."""
+"""Comparisons: broadcasting like binary ops, exact bool results, no Partial input (a 0-dim one
+is all-reduced first)."""
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -6,6 +7,7 @@ from hypothesis import strategies as st
 
 from dtorch import Replicate, Shard
 from test_ops_support import Batch, dt, illegal, make, no_comm, placements_1d
+from ledgers import counted
 
 R = Replicate()
 OPS = {"eq": lambda a, b: a == b, "ne": torch.ne, "lt": lambda a, b: a < b,
@@ -59,3 +61,30 @@ def test_compare_2d_with_scalars(mesh2d):
     batch.check()
     ys = dt(x, mesh2d, [Shard(0), Shard(1)])
     illegal(lambda: xs == ys)
+
+
+def test_a_zero_dim_partial_compared_is_all_reduced_first(mesh2d):
+    """The documented exception (dtorch/ops/scalar_partials.py): ``t.max() == 0`` on a sharded
+    ``t`` (transformers' stop check) all-reduces the one element, then compares; the result is
+    Replicate. Values from torch, counts by the three ledgers."""
+    u = torch.tensor([1, 0, 1, 1, 0, 0])
+    d = dt(u, mesh2d, [Shard(0), R])
+    cases = [(lambda t: t.max() == 0, {"all_reduce": 1}),
+             (lambda t: 0 < t.sum(), {"all_reduce": 1}),
+             (lambda t: torch.ne(t.min(), t.max()), {"all_reduce": 2}),
+             (lambda t: t.amax() >= t.float().mean(), {"all_reduce": 2})]
+    for fn, counts in cases:
+        out, got = counted(lambda: fn(d))
+        assert got == counts
+        assert out.placements == (R, R)
+        assert torch.equal(out.to_torch(), fn(u))
+    both = dt(u.reshape(2, 3), mesh2d, [Shard(0), Shard(1)])
+    out, got = counted(lambda: both.any() == 1)  # Partial("max") on both mesh dims
+    assert got == {"all_reduce": 2} and bool(out)
+
+
+def test_a_partial_with_dims_is_still_refused_in_a_comparison(mesh2d):
+    x = torch.randint(0, 3, (4, 6))
+    pending = dt(x, mesh2d, [Shard(0), R]).amax(0)  # Partial("max"), 6 elements
+    err = illegal(lambda: pending == 0)
+    assert "Tensor.__eq__" in str(err) and "redistribute" in str(err)

@@ -163,6 +163,28 @@ def test_uneven_shards(mesh1d):
     batch.check()
 
 
+def test_any_and_all_over_sharded_dims_are_partial_max_and_min(mesh1d, mesh2d):
+    """Each rank answers for its block; the pending max (any) / min (all) is the answer. Rows
+    mix zeros and ones so that swapping max and min, or reading any as all, is caught; 3 rows
+    on 4 ranks leave one block empty (any: False, all: True by themselves)."""
+    x = torch.tensor([[0, 1, 0, 0, 1], [0, 0, 0, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.int64)
+    batch = Batch()
+    for mesh, placements in [(mesh1d, [Shard(0)]), (mesh2d, [Shard(0), Shard(1)])]:
+        xs = dt(x, mesh, placements)
+        pending = [Partial("max") if isinstance(p, Shard) else p for p in placements]
+        batch.add(no_comm(lambda: xs.any()), x.any(), pending)
+        batch.add(no_comm(lambda: xs.all()), x.all(), [Partial("min")] * len(placements))
+        batch.add(no_comm(lambda: xs.bool().any(0)), x.bool().any(0),
+                  [Partial("max")] + [Shard(0)] * (len(placements) - 1))
+        batch.add(no_comm(lambda: torch.all(xs, 0, keepdim=True)), x.all(0, keepdim=True),
+                  [Partial("min")] + [Shard(1)] * (len(placements) - 1))
+        batch.add(no_comm(lambda: (xs > 0).all(1)), (x > 0).all(1),
+                  [Shard(0)] + [Partial("min")] * (len(placements) - 1))
+    batch.check()
+    pending_max = make(x.double(), mesh1d, [Partial("max")], 1)
+    illegal(lambda: pending_max.any(0))
+
+
 def test_cumsum_and_integer_sum(mesh2d):
     x = torch.randint(-5, 5, (5, 6))
     xs = dt(x, mesh2d, [Shard(0), Shard(1)])

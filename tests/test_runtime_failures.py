@@ -143,6 +143,21 @@ def test_init_with_other_size_while_tensors_alive_raises(live):
     del keep
 
 
+@pytest.mark.parametrize("kwargs, guess", [({"world_size": 4}, "n_workers"),
+                                           ({"memory_limt": "2GB"}, "memory_limit"),
+                                           ({"address": "tcp://127.0.0.1:1", "nanny": 1}, None)])
+def test_an_unknown_init_keyword_raises_on_the_controller(live, kwargs, guess):
+    """A keyword neither dtorch nor Dask takes raises TypeError naming it (and the likely one)
+    before anything starts; the running cluster is left as it was."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{list(kwargs)[-1]}'") \
+            as info:
+        dtorch.init(**kwargs)
+    if guess is not None:
+        assert f"did you mean {guess}=?" in str(info.value)
+    assert dtorch.init() is live and not live.closed
+    assert torch.equal(dtorch.ones(2).to_torch(), torch.ones(2))
+
+
 def test_interrupts_held_delivers_after_the_block():
     with pytest.raises(KeyboardInterrupt):
         with interrupts_held():

@@ -17,6 +17,7 @@ from . import (attention, binary, cast, compare, concat, elementwise, embedding,
                softmax)
 from . import dropout  # noqa: F401 - dropout in training (registry.decomposed)
 from . import mha  # noqa: F401 - F.multi_head_attention_forward on sharded inputs
+from . import scalar_partials  # noqa: F401 - a 0-dim Partial compared: reduced first
 from . import sharded_reductions, sharded_moments, sharded_scans  # noqa: F401 - along a sharded dim
 from . import conv_pool, losses_more, nn_local  # noqa: F401 - batch-local families
 from . import dim_local, index_local  # noqa: F401 - ops along a dim other than the sharded one

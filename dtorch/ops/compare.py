@@ -1,4 +1,5 @@
-"""Comparisons: broadcasting like binary ops, bool outputs, no Partial input.
+"""Comparisons: broadcasting like binary ops, bool outputs, no Partial input (a 0-dim
+Partial is all-reduced first: :mod:`~dtorch.ops.scalar_partials`).
 
 ``x == y`` is elementwise (as on torch.Tensor); the result keeps the operands' Shard and
 Replicate placements (a Replicate operand beside a Shard one is narrowed locally). Example::

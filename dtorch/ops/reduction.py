@@ -11,8 +11,9 @@ Along a sharded dim (no Partial input), ``max``/``min`` with ``dim``, ``argmax``
 ``_mean``), every vector ``norm`` and ``cumsum``/``cumprod`` never reach these rules: they
 run as composites that gather per-block candidates only (``registry.decomposed`` in
 :mod:`~dtorch.ops.sharded_reductions`, :mod:`~dtorch.ops.sharded_moments`,
-:mod:`~dtorch.ops.sharded_scans`). What is left raises here: ``prod``, ``median``, ``any``/
-``all``, ``sort``, ``cummax``/``logcumsumexp`` along a sharded dim, these ops on Partial
+:mod:`~dtorch.ops.sharded_scans`). ``any`` over a sharded dim is
+``Partial("max")``, ``all`` ``Partial("min")``. What is left raises here: ``prod``,
+``median``, ``sort``, ``cummax``/``logcumsumexp`` along a sharded dim, these ops on Partial
 inputs they do not commute with, and ``topk``/``kthvalue`` with a large ``k``. Example::
 
     >>> reduced_dims(None, 3), reduced_dims(-1, 3), reduced_dims((0, 2), 3)
@@ -197,7 +198,23 @@ rule("max", family="reduction", arg_names=("input", "dim", "keepdim"))(_minmax("
 rule("min", family="reduction", arg_names=("input", "dim", "keepdim"))(_minmax("min"))
 
 
-@rule("prod", "argmax", "argmin", "logsumexp", "any", "all", "median", "nanmedian",
+def _any_all(kind, name):
+    def rule_fn(op):
+        """``any`` over a sharded dim is the max of the ranks' answers (``Partial("max")``),
+        ``all`` the min; an empty block answers the identity (False / True) by itself. A
+        Partial input is refused: ``any`` of a pending sum is not the sum of ``any``s."""
+        x, dims, keepdim = _dims_keepdim(op)
+        partial_input = any(q.is_partial() for q in x.placements)
+        return reduce_placements(op, x, dims, keepdim, None if partial_input else kind)
+    rule_fn.__name__ = f"{name}_rule"
+    return rule_fn
+
+
+rule("any", family="reduction", arg_names=("input", "dim", "keepdim"))(_any_all("max", "any"))
+rule("all", family="reduction", arg_names=("input", "dim", "keepdim"))(_any_all("min", "all"))
+
+
+@rule("prod", "argmax", "argmin", "logsumexp", "median", "nanmedian",
       "count_nonzero", family="reduction", arg_names=("input", "dim", "keepdim"))
 def no_partial_rule(op):
     x, dims, keepdim = _dims_keepdim(op)

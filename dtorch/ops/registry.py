@@ -154,12 +154,14 @@ def _register(funcs, family, inplace, meta, arg_names, fn, prep=None) -> None:
 
 
 def decomposed(*funcs):
-    """Register the decorated ``fn(func, args, kwargs)`` to run calls of ``funcs`` (callables) as
-    other DTensor ops (dropout in training: a mask factory and a multiply); dispatch calls it
-    first, and its ``NotImplemented`` leaves the call to the rule."""
+    """Register the decorated ``fn(func, args, kwargs)`` to run calls of ``funcs`` (callables,
+    or names resolved as :func:`rule` resolves them) as other DTensor ops (dropout in
+    training: a mask factory and a multiply); dispatch calls it first, and its
+    ``NotImplemented`` leaves the call to the rule."""
     def deco(fn):
-        for f in funcs:
-            DECOMPOSED[f] = fn
+        for spec in funcs:
+            for f, _ in _resolve(spec):
+                DECOMPOSED[f] = fn
         return fn
     return deco
 

@@ -101,6 +101,38 @@ _QUIET_WORKERS = {"distributed.worker.profile.enabled": False,
                   "distributed.worker.memory.monitor-interval": "1s"}
 
 
+_ALIASES = {"world_size": "n_workers", "num_workers": "n_workers", "nprocs": "n_workers",
+            "nproc_per_node": "n_workers", "device": "device_type", "backend": "device_type"}
+
+
+def check_dask_kwargs(dask_kwargs: dict, remote: bool) -> None:
+    """Raise ``TypeError`` on the controller for a keyword ``dtorch.init`` would pass on to
+    Dask but Dask does not take (a local cluster: LocalCluster's, the Nanny's and the
+    Worker's; an ``address``: the Client's), before anything starts.
+
+    >>> try:
+    ...     check_dask_kwargs({"world_size": 4}, remote=False)
+    ... except TypeError as e:
+    ...     print(str(e).split(";")[0])
+    dtorch.init() got an unexpected keyword argument 'world_size' (did you mean n_workers=?)
+    """
+    import difflib
+    import inspect
+    from distributed import Client, LocalCluster, Nanny, SpecCluster, Worker
+    accepted = {"n_workers", "address", "device_type", "dry_run"}
+    for cls in ((Client,) if remote else (LocalCluster, SpecCluster, Nanny, Worker)):
+        accepted |= {n for n, p in inspect.signature(cls).parameters.items()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    for key in dask_kwargs:
+        if key in accepted:
+            continue
+        guess = _ALIASES.get(key) or next(iter(difflib.get_close_matches(key, accepted, 1)), None)
+        hint = f" (did you mean {guess}=?)" if guess else ""
+        raise TypeError(f"dtorch.init() got an unexpected keyword argument {key!r}{hint}; "
+                        f"besides n_workers, address, device_type and dry_run it takes the "
+                        f"keywords of Dask's {'Client' if remote else 'LocalCluster and Worker'}")
+
+
 def start_local_cluster(n_workers: int, **dask_kwargs):
     """A LocalCluster of ``n_workers`` processes with one thread each, on 127.0.0.1."""
     import dask

@@ -17,8 +17,8 @@ import time
 
 from .. import config
 from ..errors import ClusterError
-from .cluster import connect, local_threads, place_rank_actors, start_local_cluster, \
-    worker_addresses
+from .cluster import check_dask_kwargs, connect, local_threads, place_rank_actors, \
+    start_local_cluster, worker_addresses
 from .controller import Controller
 from . import messages as m
 
@@ -56,6 +56,7 @@ def init(n_workers: int | None = None, address: str | None = None,
     global _controller, _init_args
     if device_type not in (None, "cpu", "cuda"):
         raise ClusterError(f"device_type must be 'cpu' or 'cuda'; got {device_type!r}")
+    check_dask_kwargs(dask_kwargs, remote=address is not None)
     args = dict(n_workers=n_workers, address=address, device_type=device_type, **dask_kwargs)
     if dry_run:
         args["dry_run"] = True

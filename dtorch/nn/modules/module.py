@@ -33,6 +33,28 @@ from ..state_dict import load_value
 _running: list = []  # the dtorch modules whose __call__ is running, outermost first
 
 
+def running_module_path(stack: list) -> str:
+    """The dotted name of the innermost running module under the outermost one
+    (``model.layers.0.self_attn``), as ``named_modules()`` spells it; ``""`` for the root."""
+    names = []
+    for parent, child in zip(stack, stack[1:]):
+        names.append(next((n for n, m in parent.named_modules() if m is child), "?"))
+    return ".".join(n for n in names if n)
+
+
+def _note_module(error: DTorchError) -> None:
+    """Say once, on the error, in which module's forward it arose (the innermost running)."""
+    if getattr(error, "_module_noted", False):
+        return
+    error._module_noted = True
+    module = _running[-1]
+    torch_class = next((c for c in type(module).__mro__ if c.__module__ != __name__
+                        and not c.__name__.startswith("DTorch")), type(module))
+    path = running_module_path(_running) or "the root module"
+    error.add_note(f"raised in the forward of {path} ({torch_class.__name__}, "
+                   f"{type(_running[0]).__name__} at the root)")
+
+
 class DTensorModuleMixin:
     """What makes a ``torch.nn.Module`` hold DTensors: mixed in before a torch.nn class (``Module``
     below; ``dtorch.parallelize_module`` swaps a plain module's class to ``(this, cls)``)."""
@@ -54,6 +76,9 @@ class DTensorModuleMixin:
             args, kwargs = self.redistribute_input(*args, **kwargs)
             output = super().__call__(*args, **(kwargs or {}))
             return self.redistribute_output(output)
+        except DTorchError as error:
+            _note_module(error)
+            raise
         finally:
             _running.pop()
 
