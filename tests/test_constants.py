@@ -341,3 +341,25 @@ def test_a_plain_in_place_target_of_any_dim_is_refused(mesh1d):
         total.add_(loss)
     assert c.issued == before
     assert total.item() == 5.0 and loss.to_torch().item() == 2.0
+
+
+def test_cached_constants_do_not_keep_the_cluster_in_use(live):
+    """Only cached constants alive (the user dropped every DTensor): ``dtorch.init`` with a
+    different size replaces the cluster, and the cache starts afresh on the new one."""
+    import gc
+    x = dtorch.ones(4, 4, device_mesh=dtorch.init_device_mesh("cpu", 4))
+    y = x + torch.arange(4.0)  # the arange is a cached Replicate constant
+    assert torch.equal(y.to_torch(), torch.ones(4, 4) + torch.arange(4.0))
+    del x, y
+    gc.collect()
+    assert dtorch.constants_sent().cached == 1
+    try:
+        small = dtorch.init(n_workers=2)
+        assert small.world == 2
+        z = dtorch.ones(2, 4, device_mesh=dtorch.init_device_mesh("cpu", 2)) + torch.arange(4.0)
+        assert torch.equal(z.to_torch(), torch.ones(2, 4) + torch.arange(4.0))
+        del z
+    finally:
+        gc.collect()
+        dtorch.shutdown()
+        dtorch.init(n_workers=4)

@@ -234,6 +234,17 @@ def constant(t: torch.Tensor, mesh, c) -> DTensor:
         return out
 
 
+def _cached_live(c) -> int:
+    """How many of controller ``c``'s live DTensors are cached constants (sent ones)."""
+    with _lock:
+        if _owner[0] is not c:
+            return 0
+        return sum(1 for out, _ in _cache.values() if type(out) is DTensor)
+
+
+session.cache_holders.append(_cached_live)
+
+
 def _private(cached: DTensor) -> DTensor:
     """A rank-local copy of a cached constant for one use (made when its op is issued; no
     bytes sent): an op's output may alias its input (``t.view_as(x)``, ``t.type_as(x)``),

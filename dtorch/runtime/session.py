@@ -29,6 +29,9 @@ _init_args: dict | None = None
 # display and worker-output forwarding): "starting" (info: n_workers, address, device_type),
 # then "ready" (info: controller, seconds) or "failed" (info: error). A hook never breaks init.
 start_hooks: list = []
+# fn(controller) -> how many of its live DTensors a cache holds (not the user's: cached
+# constants); a different cluster may replace one whose only live DTensors these are
+cache_holders: list = []
 
 
 def _notify(event: str, **info) -> None:
@@ -63,10 +66,11 @@ def init(n_workers: int | None = None, address: str | None = None,
     if _controller is not None and not _controller.closed:
         if _same_cluster(_controller, n_workers, address, device_type, dask_kwargs, dry_run):
             return _controller
-        if _controller.live_tensors > 0:
+        alive = _controller.live_tensors - sum(h(_controller) for h in cache_holders)
+        if alive > 0:
             raise ClusterError(
                 f"dtorch is already running {_controller.world} {_controller.device_type} ranks "
-                f"with {_controller.live_tensors} DTensors alive; delete them or call "
+                f"with {alive} DTensors alive; delete them or call "
                 f"dtorch.shutdown() before dtorch.init(...) with a different cluster")
         shutdown()
     if dry_run:
