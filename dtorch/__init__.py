@@ -34,7 +34,8 @@ long = int64
 int = int32
 
 __version__ = "0.1.0"
-_PARALLEL = ("parallelize_module", "distribute_module", "loss_parallel", "ColwiseParallel",
+_PARALLEL = ("parallelize_module", "distribute_module", "fully_shard", "loss_parallel",
+             "ColwiseParallel",
              "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
              "ParallelStyle")
 

@@ -99,6 +99,12 @@ def _transformers(s):
     assert s["tokens"].placements == (Shard(0), Replicate())
 
 
+def _fully_shard(s):
+    assert s["forward"] == {"all_gather": 4}
+    assert s["mode"].get_comm_counts() == {"all_gather": 8, "reduce_scatter": 4}
+    assert s["model"].layers[0].weight.grad.placements == (Shard(0),)
+
+
 CHECKS = {
     "d.local_shapes()": _quick_example,
     "out = xs @ ws": _operators,
@@ -107,6 +113,7 @@ CHECKS = {
     "loss.backward()\nm.get_comm_counts()": _autograd,
     "stream.dropout(": _dropout,
     "transformers' own generate": _transformers,
+    "dtorch.fully_shard(layer, mesh": _fully_shard,
 }
 
 

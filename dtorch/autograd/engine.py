@@ -178,6 +178,9 @@ class _Walk:
             grads = self._incoming(node)
             if not grads or (needed is not None and nid not in needed):
                 continue
+            if node.pre_hooks:  # fully_shard gathers the weights the local graphs saved
+                for hook in node.pre_hooks:
+                    hook()
             if node.backward is not None:  # a composite's backward plan (ring attention)
                 in_grads = node.backward(node, grads, self.retain)
             elif node.keeps_graph:
@@ -200,8 +203,8 @@ class _Walk:
             grads = self.pending.pop((node.id, i), None)
             if not grads:
                 continue
-            if node.keeps_graph or node.backward is not None or \
-                    len({g.placements for g in grads}) > 1:
+            if ((node.keeps_graph or node.backward is not None) and not node.partial_grads) \
+                    or len({g.placements for g in grads}) > 1:
                 g = combine(grads, node.incoming(i))
             else:
                 g = combine(grads, None)

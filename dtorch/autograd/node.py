@@ -64,7 +64,7 @@ class Node:
 
     __slots__ = ("id", "_name", "controller", "mesh", "in_specs", "out_specs", "edges",
                  "out_metas", "released", "keeps_graph", "refusal", "saved", "backward",
-                 "__weakref__")
+                 "pre_hooks", "partial_grads", "__weakref__")
 
     def __init__(self, node_id: int, name: str, controller, mesh, in_specs, out_specs, edges,
                  keeps_graph: bool, refusal: str | None = None, backward=None):
@@ -77,6 +77,8 @@ class Node:
         self.refusal = refusal  # why backward cannot go through this node (None: it can)
         self.saved: tuple = ()  # (version counter, version, spec, which) per saved tensor
         self.backward = backward  # a composite's backward(node, grads, retain) -> grads, or None
+        self.pre_hooks: list | None = None  # fn() run once its gradients are in, before it runs
+        self.partial_grads = False  # its backward takes gradients as they come (Partial too)
 
     def name(self) -> str:
         return self._name

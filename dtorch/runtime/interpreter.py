@@ -387,6 +387,19 @@ class Interpreter(LocalGraphs):
             del value
 
     # introspection ---------------------------------------------------------------------------
+    def _storage_bytes(self, tensors) -> int:
+        """The memory the stored tensors and the kept graphs' leaves and outputs hold, each
+        storage once (a view or a detached copy shares its base's; a freed one holds 0)."""
+        seen = {}
+        for g in self.graphs.values():
+            if isinstance(g, LocalGraph):
+                tensors = tensors + list(g.leaves) + list(g.outputs)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        return sum(seen.values())
+
     def stats(self) -> dict:
         tensors = [v for v in self.store.values() if isinstance(v, torch.Tensor)]
         return {"rank": self.rank, "tensors": len(self.store),
@@ -398,4 +411,5 @@ class Interpreter(LocalGraphs):
                 "graphs": len(self.graphs),
                 "graph_bytes": sum(g.nbytes() for g in self.graphs.values()
                                    if isinstance(g, LocalGraph)),
+                "storage_bytes": self._storage_bytes(tensors),
                 "dist_calls": collective_calls()}
