@@ -118,3 +118,25 @@ def test_heads_that_do_not_split_name_the_op_and_the_module(live, ids):
     assert "model.layers.0.self_attn (LlamaAttention" in text
     logits = model.model.embed_tokens(dtorch.distribute_tensor(ids, mesh, placements))
     assert torch.allclose(logits.to_torch(), ref.model.embed_tokens(ids))  # still usable
+
+
+def test_a_meta_device_model_gets_transformers_init_on_the_ranks(live, ids):
+    """Built under ``torch.device("meta")``, the model is initialised on the ranks as
+    transformers' own ``_init_weights`` does (N(0, initializer_range) projections and
+    embeddings, ones for the norms, the rotary table copied), then loads real weights."""
+    with torch.device("meta"):
+        model = hf_model("llama")
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    parallelize_module(model, mesh, TP_PLAN)
+    ref = hf_model("llama")
+    std = ref.config.initializer_range
+    up = model.model.layers[0].mlp.up_proj.weight
+    assert up.placements == (Shard(0),)
+    assert abs(float(up.to_torch().std()) - std) < 0.2 * std
+    assert abs(float(model.model.embed_tokens.weight.to_torch().std()) - std) < 0.2 * std
+    assert torch.equal(model.model.norm.weight.to_torch(), torch.ones(CONFIG["hidden_size"]))
+    assert torch.equal(model.model.rotary_emb.inv_freq.to_torch(), ref.model.rotary_emb.inv_freq)
+    model.load_state_dict(ref.state_dict())
+    d_ids = dtorch.distribute_tensor(ids, mesh, [R])
+    with torch.no_grad():
+        assert torch.allclose(model(d_ids).logits.to_torch(), ref(ids).logits, atol=1e-4)

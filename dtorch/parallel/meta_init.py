@@ -3,11 +3,14 @@
 A module built under ``torch.device("meta")`` has shapes but no values. Its own
 ``reset_parameters()`` (torch.nn's init code, unchanged) runs once on the meta tensors while a
 dispatch mode records what it does to each: ``uniform_(a, b)`` (kaiming / xavier uniform),
-``normal_(mean, std)``, ``fill_(v)`` / ``zero_()``, and fills of an indexed part (an
-Embedding's ``padding_idx`` row). The recipe is then replayed on the ranks, shard by shard
-(``dtorch.nn.init``), so no full tensor is made on the controller. A meta tensor whose module
-has no ``reset_parameters`` or whose init does something else (``trunc_normal_``, ``orthogonal_``)
-is refused before anything is sent. Example::
+``normal_(mean, std)``, ``fill_(v)`` / ``zero_()``, fills of an indexed part (an
+Embedding's ``padding_idx`` row), and ``copy_`` of a real tensor (a rotary table). The recipe
+is then replayed on the ranks, shard by shard (``dtorch.nn.init``), so no full tensor is made
+on the controller (a copied value is sent shard by shard). A Hugging Face transformers model
+has no ``reset_parameters`` on its own modules: its ``_init_weights(module)`` (what
+``from_config`` runs) is each module's init. A meta tensor whose module has no init or whose
+init does something else (``trunc_normal_``, ``orthogonal_``) is refused before anything is
+sent. Example::
 
     with torch.device("meta"):
         lin = torch.nn.Linear(8, 4)
@@ -34,7 +37,7 @@ class MetaInitError(DTorchError, ValueError):
 class Recipe(NamedTuple):
     """How to make one tensor: a whole-tensor draw, then fills of indexed parts."""
 
-    draw: tuple              # ("uniform", low, high) | ("normal", mean, std) | ("fill", value)
+    draw: tuple  # ("uniform", low, high) | ("normal", mean, std) | ("fill", v) | ("value", t)
     fills: tuple = ()        # ((index, value), ...): ``t[index] = value`` after the draw
 
 
@@ -84,6 +87,10 @@ class _Recorder(TorchDispatchMode):
                 self.draws[base], self.fills[base] = ("fill", value), []
             else:
                 self.fills.setdefault(base, []).append((_index(index, self.ndims[base]), value))
+        elif (func is _aten.copy_.default and index is None and isinstance(args[1], torch.Tensor)
+              and not args[1].is_meta and tuple(args[1].shape) == tuple(args[0].shape)):
+            self.draws[base] = ("value", args[1].detach().clone())
+            self.fills[base] = []
         elif func._schema.is_mutable or func in (_aten.copy_.default,):
             self.bad[base] = func.__name__
         return out
@@ -132,8 +139,7 @@ def record_inits(root: torch.nn.Module) -> dict[int, Recipe]:
     for path, module in reversed(modules):  # every child before its parent
         tracked = {tid: name for tid, (p, owner, name) in owners.items()
                    if owner is module or p.startswith(f"{path}.") or (not path and p)}
-        reset = getattr(module, "reset_parameters", None) or getattr(
-            module, "_reset_parameters", None)
+        reset = _init_of(module, root)
         if not tracked or reset is None:
             continue
         rec = _Recorder(tracked)
@@ -151,9 +157,9 @@ def record_inits(root: torch.nn.Module) -> dict[int, Recipe]:
                 recipes[tid] = Recipe(rec.draws[tid], tuple(rec.fills.get(tid, ())))
     for tid, (path, module, name) in owners.items():
         if tid not in recipes:
-            has = getattr(module, "reset_parameters", None) or getattr(
-                module, "_reset_parameters", None)
-            how = ("its reset_parameters() leaves it untouched" if has is not None else
+            has = _init_of(module, root)
+            how = ("its init (reset_parameters(), or transformers' _init_weights) leaves "
+                   "it untouched" if has is not None else
                    f"{type(module).__name__} has no reset_parameters()")
             raise MetaInitError(
                 f"{_where(owners[tid])} is on the meta device and {how}, so it has no values "
@@ -161,6 +167,24 @@ def record_inits(root: torch.nn.Module) -> dict[int, Recipe]:
                 f"initialises it (torch.nn.init), build it on the cpu, or load_state_dict "
                 f"afterwards")
     return recipes
+
+
+def _init_of(module, root):
+    """The function that initialises ``module``'s own tensors, as its construction did: its
+    ``reset_parameters`` (torch.nn), then, under a transformers root model, that model's
+    ``_init_weights(module)``, which wins (transformers runs it after the constructors);
+    None when there is neither."""
+    reset = getattr(module, "reset_parameters", None) or getattr(
+        module, "_reset_parameters", None)
+    init_weights = getattr(root, "_init_weights", None)
+    if init_weights is None or not hasattr(root, "config"):
+        return reset
+
+    def both():
+        if reset is not None:
+            reset()
+        init_weights(module)
+    return both
 
 
 def _where(owner) -> str:
@@ -180,6 +204,9 @@ def make(recipe: Recipe, like: torch.Tensor, mesh, placements):
     elif kind == "normal":
         out = init.normal(shape, vals[0], vals[1], dtype=dtype, device_mesh=mesh,
                           placements=placements)
+    elif kind == "value":
+        from ..nn.state_dict import send_streamed
+        out = send_streamed(vals[0].to(dtype), mesh, placements)
     else:
         out = factories.full(shape, vals[0], dtype=dtype, device_mesh=mesh, placements=placements)
     for index, value in recipe.fills:
