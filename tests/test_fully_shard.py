@@ -207,6 +207,12 @@ def test_refusals_name_the_fix(dp4, mesh2d):
     _refused(lambda: model(xd), ValueError, "all require grad or none")
     model.layers[0].bias.requires_grad_(True)
     assert model(xd).shape == (8, DIMS[-1])  # the module and the cluster stay usable
+    wrong = dtorch.distribute_tensor(torch.randn(8, DIMS[0] + 1), dp4, [Shard(0)])
+    with pytest.raises(RuntimeError):
+        model(wrong)  # torch's shape error, inside layer 0's forward
+    assert model.layers[0].weight.placements == (Shard(0),)  # the shards are back
+    _, counts = counted(lambda: model(xd).sum().backward())
+    assert counts == {"all_gather": 8, "reduce_scatter": 4}
 
 
 def test_default_reshards_the_layers_under_a_root_without_parameters(dp4):
