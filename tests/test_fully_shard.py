@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch import MeshError, Replicate, Shard, init_device_mesh
+from dtorch import MeshError, PlacementError, Replicate, Shard, init_device_mesh
 from dtorch.runtime import session
 from ledgers import counted
 
@@ -201,10 +201,18 @@ def test_refusals_name_the_fix(dp4, mesh2d):
     mixed = MLP()
     mixed.layers[1].double()
     _refused(lambda: dtorch.fully_shard(mixed, dp4), TypeError, "share a dtype")
+    frozen = MLP()
+    frozen.layers[2].bias.requires_grad_(False)
+    _refused(lambda: dtorch.fully_shard(frozen, dp4), ValueError, "frozen: layers.2.bias")
     model, _ = sharded_mlp(dp4, True)
+    _refused(lambda: dtorch.fully_shard(model.layers[0], dp4), ValueError, "already")
+    late = MLP()
+    dtorch.fully_shard(late, dp4)  # the root first: its layers are taken
+    _refused(lambda: dtorch.fully_shard(late.layers[1], dp4), PlacementError,
+             "innermost first")
     model.layers[0].bias.requires_grad_(False)
     _, xd = batch(dp4)
-    _refused(lambda: model(xd), ValueError, "all require grad or none")
+    _refused(lambda: model(xd), ValueError, "ignored_params")
     model.layers[0].bias.requires_grad_(True)
     assert model(xd).shape == (8, DIMS[-1])  # the module and the cluster stay usable
     wrong = dtorch.distribute_tensor(torch.randn(8, DIMS[0] + 1), dp4, [Shard(0)])
@@ -225,3 +233,105 @@ def test_default_reshards_the_layers_under_a_root_without_parameters(dp4):
     assert counts == {"all_gather": 4, "reduce_scatter": 4}
     ref(x).sum().backward()
     check_grads(model, ref)
+
+
+class Tied(torch.nn.Module):
+    def __init__(self, vocab=10, dim=6):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.mid = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+def test_tied_parameters_in_one_group_stay_one(dp4):
+    torch.manual_seed(0)
+    model = Tied()
+    ref = copy.deepcopy(model)
+    dtorch.fully_shard(model.mid, dp4)
+    dtorch.fully_shard(model, dp4)  # emb and head, tied: one parameter of the root's group
+    assert model.head.weight is model.emb.weight
+    ids = torch.randint(0, 10, (8, 3), generator=torch.Generator().manual_seed(3))
+    y, counts = counted(lambda: model(dtorch.distribute_tensor(ids, dp4, [Shard(0)])))
+    assert counts == {"all_gather": 2}
+    torch.testing.assert_close(y.to_torch(), ref(ids), atol=1e-5, rtol=1e-5)
+    y.sum().backward()
+    ref(ids).sum().backward()
+    check_grads(model, ref)
+    split = Tied()
+    dtorch.fully_shard(split.emb, dp4)
+    _refused(lambda: dtorch.fully_shard(split, dp4), PlacementError, "tied parameters")
+
+
+def test_an_interrupted_forward_is_undone_by_the_next_one(dp4):
+    """Ctrl-C inside a layer's forward (torch runs no forward hook for a KeyboardInterrupt):
+    the next forward finds the shards in place and the root is the root again."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MLP(), torch.nn.Linear(DIMS[-1], 2))
+    ref = copy.deepcopy(model)
+    for layer in model[0].layers:
+        dtorch.fully_shard(layer, dp4)
+    dtorch.fully_shard(model, dp4)
+    x, xd = batch(dp4)
+    hook = model[0].layers[2].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(
+        KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        model(xd)
+    hook.remove()
+    assert model[0].layers[1].weight.placements == (Shard(0),)  # its forward had finished
+    assert model[0].layers[2].weight.placements == (R,)  # left whole by the interrupt
+    y, forward = counted(lambda: model(xd))
+    assert forward == {"all_gather": 5}
+    assert model[0].layers[2].weight.placements == (Shard(0),)
+    _, backward = counted(lambda: y.sum().backward())
+    assert backward == {"all_gather": 4, "reduce_scatter": 5}  # the root keeps its weights
+    ref(x).sum().backward()
+    check_grads(model, ref)
+
+
+def test_a_frozen_layer_reshards_too_and_gets_no_gradient(dp4):
+    """Frozen weights under an input that needs grad: the local graphs save them for that
+    gradient, so they are freed after the forward and gathered again as well."""
+    model, ref = sharded_mlp(dp4, True)
+    for p in list(model.layers[2].parameters()) + list(ref.layers[2].parameters()):
+        p.requires_grad_(False)
+    x, xd = batch(dp4)
+    y = model(xd)
+    _, counts = counted(lambda: y.sum().backward())
+    assert counts == {"all_gather": 4, "reduce_scatter": 3}
+    ref(x).sum().backward()
+    assert model.layers[2].weight.grad is None
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad.to_torch(), grads[name].grad, atol=1e-5, rtol=1e-5)
+
+
+class Table(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = torch.nn.Parameter(torch.randn(5, 4))
+
+    def forward(self, n):
+        return self.pos[:n]  # a view of the gathered weight: it must survive the reshard
+
+
+def test_an_output_that_views_a_weight_keeps_it(dp4):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.table = Table()
+    ref = copy.deepcopy(model)
+    dtorch.fully_shard(model.table, dp4, reshard_after_forward=True)
+    out = model.table(3)
+    torch.testing.assert_close(out.to_torch(), ref.table(3))
+    (out * 2).sum().backward()
+    (ref.table(3) * 2).sum().backward()
+    torch.testing.assert_close(model.table.pos.grad.to_torch(), ref.table.pos.grad)
+
+
+def test_mesh_dim_of_a_one_dim_mesh_is_taken(dp4):
+    model = dtorch.fully_shard(MLP(), dp4["dp"])
+    assert model.layers[0].weight.device_mesh == dp4

@@ -158,6 +158,21 @@ def test_an_unknown_init_keyword_raises_on_the_controller(live, kwargs, guess):
     assert torch.equal(dtorch.ones(2).to_torch(), torch.ones(2))
 
 
+def test_dask_keywords_the_workers_take_are_accepted():
+    """What LocalCluster, the Nanny, the Worker and Dask's Server take passes the check (no
+    cluster started); what only SpecCluster takes would reach the workers and fail there."""
+    from dtorch.runtime.cluster import check_dask_kwargs
+    for key in ("memory_limit", "env", "resources", "nthreads", "timeout", "serializers",
+                "connection_limit", "local_directory", "protocol", "interface", "security"):
+        check_dask_kwargs({key: None}, remote=False)
+    for key in ("workers", "scheduler", "shutdown_on_close"):
+        with pytest.raises(TypeError, match=key):
+            check_dask_kwargs({key: None}, remote=False)
+    check_dask_kwargs({"timeout": 5, "name": "x"}, remote=True)
+    with pytest.raises(TypeError, match="memory_limit"):
+        check_dask_kwargs({"memory_limit": "2GB"}, remote=True)  # a Client's: workers exist
+
+
 def test_interrupts_held_delivers_after_the_block():
     with pytest.raises(KeyboardInterrupt):
         with interrupts_held():

@@ -88,6 +88,14 @@ def test_forward_and_generate_match_transformers(live, ids, kind, mesh_name):
     assert isinstance(got, dtorch.DTensor)
     assert torch.equal(got.to_torch(), want)
 
+    # every row stops: two equal rows both emit eos, and decoding ends before the budget
+    same = ids[:1].repeat(2, 1)
+    want = ref.generate(same, attention_mask=torch.ones_like(same), **kwargs)
+    assert want.shape[1] < ids.shape[1] + kwargs["max_new_tokens"]
+    got = model.generate(dtorch.distribute_tensor(same, mesh, placements), attention_mask=mask,
+                         **kwargs)
+    assert torch.equal(got.to_torch(), want)
+
 
 @pytest.mark.parametrize("mesh_name", ["tp2", "dp2xtp2"])
 def test_loss_and_gradients_match_transformers(live, ids, mesh_name):

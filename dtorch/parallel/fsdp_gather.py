@@ -60,10 +60,6 @@ def gather_whole(shards: list, layout: FlatLayout) -> list:
 def gather(shards: list, layout: FlatLayout, record: bool) -> list:
     """:func:`gather_whole`; with ``record`` the outputs are those of a graph node whose
     backward reduce-scatters their gradients back to the shards (see module doc)."""
-    if record and not all(s.requires_grad for s in shards):  # checked before anything is sent
-        raise ValueError("fully_shard: a group's parameters all require grad or none does; "
-                         "call requires_grad_() on all of them alike, or give the frozen ones "
-                         "their own fully_shard")
     whole = gather_whole(shards, layout)
     if not record:
         return whole
@@ -109,9 +105,10 @@ def reduce_scatter_grads(node: Node, grads: dict, retain: bool, layout: FlatLayo
                   layout=layout)
 
 
-def free(whole: list) -> None:
-    """Drop the ranks' memory of the whole parameters (the graphs that saved them too)."""
-    _issue(fsdp_kernels.free_storage, whole, [])
+def free(whole: list, outputs: list) -> None:
+    """Drop the ranks' memory of the whole parameters (the graphs that saved them too), but
+    not where one of the module's ``outputs`` is a view of it."""
+    _issue(fsdp_kernels.free_storage, list(whole) + list(outputs), [], n_whole=len(whole))
 
 
 def refill(whole: list, shards: list, layout: FlatLayout) -> None:

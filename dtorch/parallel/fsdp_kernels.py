@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from ..layout import chunk_sizes
+from ..runtime.collectives import _pad
 
 
 class FlatLayout(NamedTuple):
@@ -55,16 +56,9 @@ def flat_layout(shapes, n: int) -> FlatLayout:
     return FlatLayout(n, rows, steps, rests, tuple(offsets), at)
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    pad = t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))
-    return torch.cat([t, pad])
-
-
 def pack_shards(*shards: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
     """This rank's flat block: each shard padded to its ``step`` rows, flattened, in order."""
-    return torch.cat([_pad_rows(s, step).reshape(-1) for s, step in zip(shards, layout.steps)])
+    return torch.cat([_pad(s, 0, step).reshape(-1) for s, step in zip(shards, layout.steps)])
 
 
 def unpack_whole(flat: torch.Tensor, layout: FlatLayout) -> tuple:
@@ -82,7 +76,7 @@ def unpack_whole(flat: torch.Tensor, layout: FlatLayout) -> tuple:
 def pack_whole(*grads: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
     """Whole gradients as the gathered layout (``n`` blocks of ``width``), flattened: what a
     reduce_scatter turns into each rank's flat block of the summed gradients."""
-    parts = [_pad_rows(g, layout.n * step).reshape(layout.n, -1)
+    parts = [_pad(g, 0, layout.n * step).reshape(layout.n, -1)
              for g, step in zip(grads, layout.steps)]
     return torch.cat(parts, dim=1).reshape(-1)
 
@@ -98,10 +92,15 @@ def unpack_shards(flat: torch.Tensor, coordinate, layout: FlatLayout) -> tuple:
     return tuple(out)
 
 
-def free_storage(*tensors: torch.Tensor) -> None:
-    """Drop the memory of these tensors (and of every view and saved copy sharing it)."""
-    for t in tensors:
-        t.untyped_storage().resize_(0)
+def free_storage(*tensors: torch.Tensor, n_whole: int) -> None:
+    """Drop the memory of the first ``n_whole`` tensors (and of every view and saved copy
+    sharing it), except where one of the others (the module's outputs) shares it: an output
+    that is a view of a weight keeps it."""
+    kept = {t.untyped_storage().data_ptr() for t in tensors[n_whole:]}
+    for t in tensors[:n_whole]:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in kept:
+            storage.resize_(0)
 
 
 def refill(*pairs: torch.Tensor) -> None:
@@ -110,11 +109,9 @@ def refill(*pairs: torch.Tensor) -> None:
     tensor they saved)."""
     k = len(pairs) // 2
     for old, new in zip(pairs[:k], pairs[k:]):
+        if old.untyped_storage().nbytes():  # kept (an output shares it)
+            continue
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(old):
             old.untyped_storage().resize_(new.numel() * new.element_size())
             old.copy_(new)
 
-
-def storage_bytes(*tensors: torch.Tensor) -> int:
-    """Bytes the storages of these tensors hold now (0 once freed)."""
-    return sum(t.untyped_storage().nbytes() for t in tensors)

@@ -118,11 +118,18 @@ def check_dask_kwargs(dask_kwargs: dict, remote: bool) -> None:
     """
     import difflib
     import inspect
-    from distributed import Client, LocalCluster, Nanny, SpecCluster, Worker
+    from distributed import Client, LocalCluster, Nanny, Worker
     accepted = {"n_workers", "address", "device_type", "dry_run"}
-    for cls in ((Client,) if remote else (LocalCluster, SpecCluster, Nanny, Worker)):
-        accepted |= {n for n, p in inspect.signature(cls).parameters.items()
-                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    if remote:
+        inits = [Client.__init__]
+    else:  # LocalCluster's own; the rest reach the workers (Server's too, through the MRO)
+        worker_class = dask_kwargs.get("worker_class")
+        classes = (Nanny, Worker) + ((worker_class,) if isinstance(worker_class, type) else ())
+        inits = [LocalCluster.__init__] + [c.__init__ for cls in classes for c in cls.__mro__
+                                           if "__init__" in vars(c) and c is not object]
+    for init in inits:
+        accepted |= {n for n, p in inspect.signature(init).parameters.items()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
     for key in dask_kwargs:
         if key in accepted:
             continue

@@ -391,10 +391,9 @@ class Interpreter(LocalGraphs):
         """The memory the stored tensors and the kept graphs' leaves and outputs hold, each
         storage once (a view or a detached copy shares its base's; a freed one holds 0)."""
         seen = {}
-        for g in self.graphs.values():
-            if isinstance(g, LocalGraph):
-                tensors = tensors + list(g.leaves) + list(g.outputs)
-        for t in tensors:
+        kept = [t for g in self.graphs.values() if isinstance(g, LocalGraph)
+                for t in g.leaves + g.outputs]
+        for t in tensors + kept:
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 storage = t.untyped_storage()
                 seen[storage.data_ptr() or id(storage)] = storage.nbytes()

@@ -51,8 +51,12 @@ def _note_module(error: DTorchError) -> None:
     torch_class = next((c for c in type(module).__mro__ if c.__module__ != __name__
                         and not c.__name__.startswith("DTorch")), type(module))
     path = running_module_path(_running) or "the root module"
-    error.add_note(f"raised in the forward of {path} ({torch_class.__name__}, "
-                   f"{type(_running[0]).__name__} at the root)")
+    note = (f"raised in the forward of {path} ({torch_class.__name__}, "
+            f"{type(_running[0]).__name__} at the root)")
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # Python 3.10: no add_note; tracebacks there do not print notes either
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
 
 
 class DTensorModuleMixin:
