@@ -105,6 +105,11 @@ def _fully_shard(s):
     assert s["model"].layers[0].weight.grad.placements == (Shard(0),)
 
 
+def _optim(s):
+    assert s["mode"].get_comm_counts() == {}
+    assert s["opt"].state[s["model"][0].weight]["exp_avg"].placements == (Replicate(), Shard(0))
+
+
 CHECKS = {
     "d.local_shapes()": _quick_example,
     "out = xs @ ws": _operators,
@@ -114,6 +119,7 @@ CHECKS = {
     "stream.dropout(": _dropout,
     "transformers' own generate": _transformers,
     "dtorch.fully_shard(layer, mesh": _fully_shard,
+    "opt = dtorch.optim.AdamW(": _optim,
 }
 
 

@@ -19,6 +19,7 @@ import functools
 
 from .. import comm_debug
 from ..autograd.node import Node, edge_of, mark_output
+from ..local_call import run_local
 from ..placement import Partial, Replicate, Shard
 from ..runtime import messages as m
 from ..tensor import DTensor, make_spec
@@ -29,17 +30,8 @@ R = Replicate()
 
 
 def _issue(fn, inputs, out_specs, **kwargs) -> list:
-    """Run the rank-side kernel ``fn`` on ``inputs`` (DTensors, or a ``Coord``) on their mesh;
-    its outputs as DTensors of ``out_specs``."""
-    first = next(t for t in inputs if isinstance(t, DTensor))
-    c, mesh = first._live(), first._spec.mesh
-    for t in inputs:
-        if isinstance(t, DTensor):
-            t._live()
-    tids = tuple(c.new_tid() for _ in out_specs)
-    args = tuple(m.Ref(t._tid) if isinstance(t, DTensor) else t for t in inputs)
-    c.issue(m.Call(tids, fn, args, kwargs, mesh.ranks))
-    return [DTensor._wrap(spec, tid, c) for spec, tid in zip(out_specs, tids)]
+    """Run the rank-side kernel ``fn`` on ``inputs`` (DTensors, or a ``Coord``) on their mesh."""
+    return run_local(fn, tuple(inputs), kwargs, out_specs)
 
 
 def _flat_spec(layout: FlatLayout, like: DTensor, placements):
