@@ -141,15 +141,21 @@ def test_training_steps_and_gradient_accumulation_match_torch(dp4):
         torch.testing.assert_close(p.to_torch(), q.detach(), atol=1e-5, rtol=1e-5)
 
 
-def test_root_default_keeps_its_weights_for_the_backward(dp4):
-    """``reshard_after_forward=None`` (PyTorch's default): the layers reshard, the root (here
-    the one that owns the head) does not, so its gather runs once."""
+def mlp_with_head(mesh):
+    """The MLP's layers each fully_shard'ed, under a root that owns a head of its own."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(MLP(), torch.nn.Linear(DIMS[-1], 2))
     ref = copy.deepcopy(model)
     for layer in model[0].layers:
-        dtorch.fully_shard(layer, dp4)
-    dtorch.fully_shard(model, dp4)
+        dtorch.fully_shard(layer, mesh)
+    dtorch.fully_shard(model, mesh)
+    return model, ref
+
+
+def test_root_default_keeps_its_weights_for_the_backward(dp4):
+    """``reshard_after_forward=None`` (PyTorch's default): the layers reshard, the root (here
+    the one that owns the head) does not, so its gather runs once."""
+    model, ref = mlp_with_head(dp4)
     x, xd = batch(dp4)
     y, forward = counted(lambda: model(xd))
     assert forward == {"all_gather": 5}
@@ -269,12 +275,7 @@ def test_tied_parameters_in_one_group_stay_one(dp4):
 def test_an_interrupted_forward_is_undone_by_the_next_one(dp4):
     """Ctrl-C inside a layer's forward (torch runs no forward hook for a KeyboardInterrupt):
     the next forward finds the shards in place and the root is the root again."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(MLP(), torch.nn.Linear(DIMS[-1], 2))
-    ref = copy.deepcopy(model)
-    for layer in model[0].layers:
-        dtorch.fully_shard(layer, dp4)
-    dtorch.fully_shard(model, dp4)
+    model, ref = mlp_with_head(dp4)
     x, xd = batch(dp4)
     hook = model[0].layers[2].register_forward_pre_hook(lambda m, a: (_ for _ in ()).throw(
         KeyboardInterrupt()))

@@ -102,3 +102,17 @@ def register_hook(x, hook) -> RemovableHandle:
     handle = RemovableHandle(meta.hooks)
     meta.hooks[handle.id] = hook
     return handle
+
+
+def zero_grads(parameters, set_to_none: bool = True) -> None:
+    """Each parameter's ``.grad`` to None (default), or to zeros in place (``Module.zero_grad``
+    and the optimizers' ``zero_grad``)."""
+    import torch
+    for p in parameters:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            with torch.no_grad():
+                p.grad.zero_()

@@ -18,6 +18,7 @@ import torch
 from torch.optim.optimizer import required
 
 from ..autograd import versions
+from ..autograd.api import zero_grads
 from ..local_call import run_local
 from ..tensor import DTensor
 
@@ -83,15 +84,7 @@ class DTensorOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Each parameter's ``.grad`` to None (default), or zeroed in place."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    with torch.no_grad():
-                        p.grad.zero_()
+        zero_grads([p for group in self.param_groups for p in group["params"]], set_to_none)
 
     # state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -172,14 +172,8 @@ class DTensorModuleMixin:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the parameters' gradients: to None (default), or to zeros in place."""
-        for p in self.parameters():
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                with torch.no_grad():
-                    p.grad.zero_()
+        from ...autograd.api import zero_grads
+        zero_grads(self.parameters(), set_to_none)
 
     # state_dict ------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
