@@ -123,3 +123,19 @@ def test_clip_grad_value_and_nonfinite(mesh1d):
         clip_grad_norm_([torch.zeros(2, requires_grad=True)], 1.0)
     with pytest.raises(NotImplementedError, match="norm_type=0"):
         clip_grad_norm_(w, 1.0, norm_type=0)
+
+
+def test_half_precision_gradients_are_summed_in_float32(mesh1d):
+    """1e5 fp16 ones: their squares summed in fp16 overflow (the norm would be inf and every
+    gradient clipped to zero); torch accumulates in float32 and so does dtorch."""
+    w = dtorch.distribute_tensor(torch.ones(100_000, dtype=torch.float16), mesh1d,
+                                 [Shard(0)]).requires_grad_()
+    w.sum().backward()
+    t = torch.ones(100_000, dtype=torch.float16, requires_grad=True)
+    t.sum().backward()
+    total = clip_grad_norm_(w, 1.0)
+    want = torch.nn.utils.clip_grad_norm_(t, 1.0)
+    assert total.dtype == torch.float16 and torch.equal(total.to_torch(), want)
+    torch.testing.assert_close(w.grad.to_torch(), t.grad)
+    none = dtorch.distribute_tensor(torch.ones(4), mesh1d, [Shard(0)]).requires_grad_()
+    assert torch.equal(clip_grad_norm_(none, 1.0), torch.tensor(0.0))  # no gradient: torch's

@@ -73,7 +73,8 @@ def test_steps_match_torch_optim_with_a_schedule(dp_tp, name, kwargs):
     opt = getattr(dtorch.optim, name)(model.parameters(), **kwargs)
     topt = getattr(torch.optim, name)(ref.parameters(), **kwargs)
     assert isinstance(opt, getattr(torch.optim, name))
-    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=6)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=6,
+                                                  cycle_momentum=False)  # keep the momentum
               for o in (opt, topt)]
     train(model, ref, opt, topt, dp_tp, [Shard(0), R], 5, scheds)
     check_params(model, ref)
@@ -180,12 +181,42 @@ def test_refusals(dp_tp):
              NotImplementedError, "capturable")
     doubled = model.up.weight * 2
     _refused(lambda: dtorch.optim.SGD([doubled], lr=0.1), ValueError, "non-leaf")
-    opt = dtorch.optim.AdamW(model.parameters())
-    other, _ = tp_model(dp_tp)
-    bad = dtorch.optim.AdamW(other.parameters())
+    _refused(lambda: dtorch.optim.SGD(model.up.weight, lr=0.1), TypeError, "pass \\[tensor\\]")
+    _refused(lambda: dtorch.optim.Adam(model.parameters(), fused=True), NotImplementedError,
+             "fused")
+    opt = dtorch.optim.AdamW([{"params": model.up.parameters()},
+                              {"params": model.down.parameters(), "lr": 0.1}])
     ((model(torch.ones(2, 6)) - 1) ** 2).mean().backward()
     opt.step()
+    before = model.up.weight.to_torch()
+    opt.param_groups[1]["lr"] = torch.tensor(0.1)  # as a capturable scheduler would
+    _refused(lambda: opt.step(), TypeError, "lr must be a Python number")
+    assert torch.equal(model.up.weight.to_torch(), before)  # group 0 did not step either
+    opt.param_groups[1]["lr"] = 0.1
     state = opt.state_dict()
+    kept = opt.state[model.up.weight]["exp_avg"].to_torch()
     state["state"][0]["exp_avg"] = torch.zeros(3, 3)
-    _refused(lambda: bad.load_state_dict(state), ValueError, "another model's")
-    assert not bad.state  # nothing changed
+    _refused(lambda: opt.load_state_dict(state), ValueError, "another model's")
+    assert torch.equal(opt.state[model.up.weight]["exp_avg"].to_torch(), kept)  # unchanged
+
+
+def test_loading_torch_states_and_hooks(dp_tp):
+    """An Adam state dict loads into AdamW as AdamW (torch's __setstate__ fix-up), an old
+    float ``step`` becomes a count, and torch's state_dict hooks run."""
+    model, ref = tp_model(dp_tp)
+    topt = torch.optim.Adam(ref.parameters(), lr=0.01, weight_decay=0.1)
+    ((ref(torch.ones(2, 6)) - 1) ** 2).mean().backward()
+    topt.step()
+    state = topt.state_dict()
+    for entry in state["state"].values():
+        entry["step"] = float(entry["step"])
+    opt = dtorch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    calls = []
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("save"))
+    opt.load_state_dict(state)
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+    step = opt.state[model.up.weight]["step"]
+    assert step.placements == (R, R) and float(step.to_torch()) == 1.0
+    opt.state_dict()
+    assert calls == ["load", "save"]

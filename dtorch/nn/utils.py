@@ -51,18 +51,21 @@ def _pending(g: DTensor, norm_type: float) -> DTensor:
         # bias): its value first
         g = g.redistribute(placements=[Replicate() if p.is_partial() else p
                                        for p in g.placements])
-    a = g.abs()
-    part = a.amax() if kind == "max" else a.pow(norm_type).sum()
+    a = g.abs()  # summed in float32 (torch's norms accumulate so): fp16 sums overflow
+    part = a.amax().float() if kind == "max" else a.float().pow(norm_type).sum()
     target = [Partial(kind)] * g.device_mesh.ndim
     if any(p.is_partial() and p.reduce_op != kind for p in part.placements):
         part = part.redistribute(placements=[Replicate()] * g.device_mesh.ndim)
     return part.redistribute(placements=target)
 
 
+@torch.no_grad()
 def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                    foreach=None) -> DTensor:
     """torch.nn.utils.get_total_norm for DTensors (gradients, or any DTensors): a 0-dim
-    Replicate DTensor on the first tensor's mesh."""
+    Replicate DTensor on the first tensor's mesh, in the first tensor's dtype (accumulated
+    in float32); ``torch.tensor(0.)`` for no tensors, as torch. ``foreach`` is accepted: the
+    reductions are planned DTensor ops either way."""
     _check_foreach(foreach)
     norm_type = float(norm_type)
     if norm_type <= 0 or math.isnan(norm_type):
@@ -70,8 +73,7 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
                                   f"a positive order or float('inf')")
     tensors = [tensors] if isinstance(tensors, DTensor) else list(tensors)
     if not tensors:
-        raise ValueError("get_total_norm needs at least one tensor (no parameter has a "
-                         "gradient?)")
+        return torch.tensor(0.0)
     per_mesh: dict = {}
     for t in tensors:
         part = _pending(t, norm_type)
@@ -88,8 +90,9 @@ def get_total_norm(tensors, norm_type: float = 2.0, error_if_nonfinite: bool = F
             s = s.redistribute(device_mesh=first, placements=[Replicate()] * first.ndim)
         total = s if total is None else (torch.maximum(total, s) if math.isinf(norm_type)
                                          else total + s)
-    if not math.isinf(norm_type) and norm_type not in (0.0, 1.0):
+    if not math.isinf(norm_type) and norm_type != 1.0:
         total = total.pow(1.0 / norm_type)
+    total = total.to(tensors[0].dtype)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
                            f"`parameters` is non-finite, so it cannot be clipped. To disable "
@@ -104,6 +107,12 @@ def clip_grads_with_norm_(parameters, max_norm: float, total_norm: DTensor,
     _check_foreach(foreach)
     grads = _grads(parameters)
     if not grads:
+        return
+    if not isinstance(total_norm, DTensor):  # a number, or torch's tensor(0.)
+        coef = min(1.0, float(max_norm) / (float(total_norm) + 1e-6))
+        with torch.no_grad():
+            for g in grads:
+                g.mul_(coef)
         return
     coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
     on_mesh = {total_norm.device_mesh: coef}
@@ -120,18 +129,12 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach=None) -> DTensor:
     """torch.nn.utils.clip_grad_norm_: the total norm of the gradients (a 0-dim Replicate
     DTensor, before clipping), each gradient scaled in place so the total is at most
-    ``max_norm`` (see module doc)."""
+    ``max_norm`` (see module doc); ``torch.tensor(0.)`` when no parameter has a gradient."""
     parameters = [parameters] if isinstance(parameters, DTensor) else list(parameters)
     grads = _grads(parameters)
     if not grads:
-        from .. import factories
-        mesh = parameters[0].device_mesh if parameters else None
-        if mesh is None:
-            raise ValueError("clip_grad_norm_ got no parameters")
-        return factories.zeros(dtype=torch.float32, device_mesh=mesh,
-                               placements=[Replicate()] * mesh.ndim)
-    with torch.no_grad():
-        total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        return torch.tensor(0.0)  # torch's answer when no parameter has a gradient
+    total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     clip_grads_with_norm_(parameters, max_norm, total, foreach)
     return total
 

@@ -11,7 +11,7 @@ import torch
 from .. import factories
 from ..placement import Replicate
 from . import kernels
-from .optimizer import DTensorOptimizer, run_step
+from .optimizer import DTensorOptimizer, run_step, scalar_dtype
 
 
 class Adam(DTensorOptimizer, torch.optim.Adam):
@@ -25,7 +25,7 @@ class Adam(DTensorOptimizer, torch.optim.Adam):
         state = self.state[p]
         if not state:
             mesh = p.device_mesh
-            state["step"] = factories.zeros(dtype=torch.float32, device_mesh=mesh,
+            state["step"] = factories.zeros(dtype=scalar_dtype(), device_mesh=mesh,
                                             placements=[Replicate()] * mesh.ndim)
             state["exp_avg"] = factories.zeros_like(p)
             state["exp_avg_sq"] = factories.zeros_like(p)
@@ -53,3 +53,7 @@ class AdamW(Adam, torch.optim.AdamW):
     """torch.optim.AdamW (Adam with decoupled weight decay, default 0.01) on DTensors."""
 
     _torch_name = "AdamW"
+
+    def _fix_loaded_group(self, group: dict) -> dict:
+        group["decoupled_weight_decay"] = True  # as torch's AdamW.__setstate__: an Adam
+        return group                            # state dict loads as AdamW still

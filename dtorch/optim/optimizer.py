@@ -28,6 +28,12 @@ class DTensorOptimizer:
 
     _torch_name = "Optimizer"
 
+    def __init__(self, params, *args, **kwargs):
+        if isinstance(params, DTensor):
+            raise TypeError("params argument given to the optimizer should be an iterable of "
+                            "DTensors or dicts, but got a DTensor: pass [tensor]")
+        super().__init__(params, *args, **kwargs)
+
     def add_param_group(self, param_group: dict) -> None:
         """torch's, for DTensors: a list (not a set) of leaf DTensors, or of (name, DTensor)."""
         if not isinstance(param_group, dict):
@@ -74,10 +80,11 @@ class DTensorOptimizer:
             raise ValueError("can't optimize a non-leaf Tensor")
 
     def _check_options(self, group: dict) -> None:
-        for key in ("capturable", "differentiable"):
+        for key in ("capturable", "differentiable", "fused"):
             if group.get(key):
                 raise NotImplementedError(f"{key}=True is not supported on DTensors; leave it "
-                                          f"False (the step runs eagerly on every rank)")
+                                          f"out (the step runs eagerly on every rank, foreach "
+                                          f"where torch would)")
         if isinstance(group.get("lr"), torch.Tensor):
             raise TypeError("lr must be a Python number for dtorch optimizers (a tensor lr is "
                             "for capturable steps); pass float(lr)")
@@ -92,17 +99,29 @@ class DTensorOptimizer:
         with parameters numbered in order (the values are the optimizer's own, not copies)."""
         index: dict = {}
         groups = []
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
             packed["params"] = [index.setdefault(id(p), len(index)) for p in g["params"]]
             groups.append(packed)
         state = {index[id(p)]: dict(s) for p, s in self.state.items() if id(p) in index}
-        return {"state": state, "param_groups": groups}
+        out = {"state": state, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, out)
+            if result is not None:
+                out = result
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a dtorch optimizer's ``state_dict()`` (DTensors, copied and brought to each
         parameter's placements) or a torch optimizer's / :func:`full_state_dict`'s (torch
-        tensors, sent shard by shard); everything is checked before anything is sent."""
+        tensors, sent shard by shard); everything is checked before anything is sent. torch's
+        load hooks run, and the class's own fix-ups (AdamW's decoupled weight decay)."""
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -120,10 +139,22 @@ class DTensorOptimizer:
         new_state = {params[i]: {name: _placed(params[i], name, value)
                                  for name, value in entries.items()}
                      for i, entries in state_dict["state"].items()}
+        new_groups = []
+        for mine, theirs in zip(self.param_groups, groups):
+            group = {**self.defaults, **{k: v for k, v in theirs.items() if k != "params"}}
+            group["params"] = mine["params"]
+            if "param_names" in mine:
+                group["param_names"] = mine["param_names"]
+            new_groups.append(self._fix_loaded_group(group))
         self.state.clear()
         self.state.update(new_state)
-        for mine, theirs in zip(self.param_groups, groups):
-            mine.update({k: v for k, v in theirs.items() if k not in ("params", "param_names")})
+        self.param_groups[:] = new_groups
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _fix_loaded_group(self, group: dict) -> dict:
+        """What the torch class's ``__setstate__`` fixes in a loaded group (AdamW: override)."""
+        return group
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -132,8 +163,12 @@ class DTensorOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group in self.param_groups:  # every check before the first group steps
             self._check_options(group)
+            for p in group["params"]:
+                if p.grad is not None:
+                    _check_grad_mesh(p)
+        for group in self.param_groups:
             for params in _by_mesh(p for p in group["params"] if p.grad is not None):
                 grads = [_in_placements(p) for p in params]
                 self._step(group, params, grads)
@@ -158,16 +193,24 @@ def _placed(p: DTensor, name: str, value):
     placements (``step``: 0-dim Replicate), never shared with the source."""
     from .. import factories
     from ..placement import Replicate
+    if name == "step" and isinstance(value, (int, float)):  # an older checkpoint's step
+        value = torch.tensor(float(value), dtype=scalar_dtype())
     if not isinstance(value, (DTensor, torch.Tensor)):
         return value
     mesh = p.device_mesh
     placements = [Replicate()] * mesh.ndim if name == "step" else list(p.placements)
+    dtype = value.dtype if name == "step" else (
+        p.dtype if value.dtype.is_floating_point or value.dtype.is_complex else value.dtype)
     if isinstance(value, DTensor):
         moved = value if value.device_mesh == mesh and value.placements == tuple(placements) \
             else value.redistribute(mesh, placements)
-        return moved.clone()
-    dtype = torch.float32 if name == "step" else p.dtype
+        return moved.to(dtype).clone()
     return factories.distribute_tensor(value.detach().to(dtype).clone(), mesh, placements)
+
+
+def scalar_dtype() -> torch.dtype:
+    """The dtype of a ``step`` count, as torch picks it (float64 under that default dtype)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def full_state_dict(optimizer) -> dict:
@@ -191,12 +234,16 @@ def _by_mesh(params) -> list:
     return list(groups.values())
 
 
-def _in_placements(p: DTensor) -> DTensor:
-    """``p.grad`` in ``p``'s placements (a planned, counted move when it is not yet)."""
+def _check_grad_mesh(p: DTensor) -> None:
     g = p.grad
     if g.device_mesh != p.device_mesh:
         raise ValueError(f"a gradient lives on {g.device_mesh}, its parameter on "
                          f"{p.device_mesh}; assign a gradient on the parameter's mesh")
+
+
+def _in_placements(p: DTensor) -> DTensor:
+    """``p.grad`` in ``p``'s placements (a planned, counted move when it is not yet)."""
+    g = p.grad
     if g.placements != p.placements:
         g = g._move(p.device_mesh, p.placements)
     return g

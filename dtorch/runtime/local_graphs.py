@@ -38,6 +38,11 @@ class LocalGraph(NamedTuple):
         return sum(t.numel() * t.element_size() for t in self.leaves + self.outputs)
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` share memory (an expanded, stride-0 dim of size > 1)."""
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+
+
 class LocalGraphs:
     """The Interpreter's handlers for recorded ops and their backward."""
 
@@ -126,6 +131,8 @@ class LocalGraphs:
         for leaf, g, scale in zip(graph.leaves, found, instr.in_scales):
             if g is None or g._is_zerotensor():  # unused, or torch's lazy zeros (sgn')
                 g = torch.zeros_like(leaf, requires_grad=False)
+            elif _overlaps(g):  # sum's gradient is one value expanded: an in-place op on
+                g = g.contiguous()  # a ``.grad`` (clipping, zero_) needs its own memory
             result.append(g if scale is None else g * scale)
         return result
 
