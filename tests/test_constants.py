@@ -363,3 +363,17 @@ def test_cached_constants_do_not_keep_the_cluster_in_use(live):
         gc.collect()
         dtorch.shutdown()
         dtorch.init(n_workers=4)
+
+
+def test_a_comparison_with_a_plain_tensor_looks_it_up_once(mesh1d):
+    """Comparisons have a decomposed form (a 0-dim Partial operand, scalar_partials); a call
+    it does not take must not turn its plain tensors into constants first: one cache lookup
+    per call, not two."""
+    d = dt(torch.arange(8.0), mesh1d, [Shard(0)])
+    t = torch.arange(8.0)
+    assert torch.equal((d == t).to_torch(), torch.ones(8, dtype=torch.bool))
+    before = dtorch.constants_sent()
+    for _ in range(5):
+        d == t
+    after = dtorch.constants_sent()
+    assert (after.hits - before.hits, after.sends - before.sends) == (5, 0)

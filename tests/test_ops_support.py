@@ -73,11 +73,12 @@ def no_comm(fn):
     return out
 
 
-def illegal(fn, match: str | None = None):
-    """``fn`` raises PlacementError on the controller and sends nothing to the workers."""
+def illegal(fn, match: str | None = None, error=PlacementError):
+    """``fn`` raises ``error`` (PlacementError) on the controller and sends nothing to the
+    workers."""
     c = session.get_controller()
     before = c.issued
-    with pytest.raises(PlacementError, match=match) as info:
+    with pytest.raises(error, match=match) as info:
         fn()
     assert c.issued == before, "an illegal op issued instructions"
     return info.value

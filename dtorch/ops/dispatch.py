@@ -27,6 +27,7 @@ from ..placement import Replicate
 from . import constants, derived, generic, value_shapes
 from .infer import Outputs, describe, rebuild, to_meta, to_zeros
 from .registry import DECOMPOSED as _DECOMPOSED
+from .registry import DECOMPOSED_WHEN as _DECOMPOSED_WHEN
 from .registry import PREP as _PREP
 from .registry import OpCall, TArg, as_decision, display_name, lookup, prep_call
 
@@ -152,8 +153,14 @@ def _fast_binary(func, args):
     return _wrap(plan.out_specs[0], tid, c)
 
 
+def _decomposes(func, args, kwargs) -> bool:
+    """Whether the decomposed form takes this call (its ``when`` test; see registry)."""
+    when = _DECOMPOSED_WHEN.get(func)
+    return when is None or when(args, kwargs or {})
+
+
 def _dispatch(func, args, kwargs=None):
-    if func in _DECOMPOSED:  # runs as other DTensor ops (see registry.decomposed)
+    if func in _DECOMPOSED and _decomposes(func, args, kwargs):  # runs as other DTensor ops
         result = _DECOMPOSED[func](func, *constants.swap_plain(func, args, kwargs or {}))
         if result is not NotImplemented:
             return result

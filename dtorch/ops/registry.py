@@ -83,6 +83,7 @@ class Entry(NamedTuple):
 _RULES: dict[Any, Entry] = {}
 PREP: dict[Any, Callable] = {}  # callable -> prep(args, kwargs) -> (args, kwargs)
 DECOMPOSED: dict[Any, Callable] = {}  # callable -> fn(func, args, kwargs) (see decomposed)
+DECOMPOSED_WHEN: dict[Any, Callable] = {}  # callable -> when(args, kwargs) (see decomposed)
 _NAMESPACES = (("torch", torch), ("Tensor", torch.Tensor), ("F", F), ("linalg", torch.linalg),
                ("special", torch.special))
 
@@ -153,15 +154,19 @@ def _register(funcs, family, inplace, meta, arg_names, fn, prep=None) -> None:
                 PREP[f] = prep
 
 
-def decomposed(*funcs):
+def decomposed(*funcs, when: Callable | None = None):
     """Register the decorated ``fn(func, args, kwargs)`` to run calls of ``funcs`` (callables,
     or names resolved as :func:`rule` resolves them) as other DTensor ops (dropout in
     training: a mask factory and a multiply); dispatch calls it first, and its
-    ``NotImplemented`` leaves the call to the rule."""
+    ``NotImplemented`` leaves the call to the rule. ``when(args, kwargs)``, if given, is a
+    cheap test on the call as made: False leaves it to the rule without calling ``fn`` (nor
+    turning its plain tensors into constants first)."""
     def deco(fn):
         for spec in funcs:
             for f, _ in _resolve(spec):
                 DECOMPOSED[f] = fn
+                if when is not None:
+                    DECOMPOSED_WHEN[f] = when
         return fn
     return deco
 

@@ -32,11 +32,14 @@ def reduced(value: DTensor) -> DTensor:
                                           for p in value.placements])
 
 
-@decomposed(*COMPARISONS)
+def has_scalar_partial(args, kwargs) -> bool:
+    """Whether an operand of the call is a 0-dim Partial DTensor (dispatch asks first)."""
+    return any(map(is_scalar_partial, (*args, *kwargs.values())))
+
+
+@decomposed(*COMPARISONS, when=has_scalar_partial)
 def compare_scalar_partials_reduced(func, args, kwargs):
     """Run a comparison with every 0-dim Partial operand reduced first (see module doc)."""
-    if not any(map(is_scalar_partial, (*args, *kwargs.values()))):
-        return NotImplemented
     args = tuple(reduced(a) if is_scalar_partial(a) else a for a in args)
     kwargs = {k: reduced(v) if is_scalar_partial(v) else v for k, v in kwargs.items()}
     return dispatch(func, None, args, kwargs)

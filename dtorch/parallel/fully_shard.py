@@ -122,13 +122,13 @@ def _slots(module, ignored: set):
     0 to shard: it stays Replicate). A parameter an earlier group took under another name
     (tied across groups), or one an outer group took, is refused."""
     inner = _taken_by_inner(module)
-    slots, index, names, seen = [], [], [], {}
+    slots, index, names, seen, listed = [], [], [], {}, set()
     for path, sub in module.named_modules(remove_duplicate=False):
         for name, p in sub._parameters.items():
-            if p is None or id(p) in ignored or (id(sub), name) in inner or p.dim() == 0:
-                continue
-            if (id(sub), name) in {(id(o), n) for o, n in slots}:
-                continue
+            key = (id(sub), name)
+            if p is None or id(p) in ignored or key in inner or p.dim() == 0 or key in listed:
+                continue  # (a submodule reached twice lists its parameters once)
+            listed.add(key)
             where = f"{path}.{name}" if path else name
             taken = _taken.get(id(p))
             if taken is not None and taken[0]() is p:
