@@ -152,6 +152,11 @@ def test_state_dict_round_trips(dp_tp):
     assert again.state[p]["exp_avg"].placements == p.placements
     torch.testing.assert_close(again.state[p]["exp_avg"].to_torch(),
                                topt.state[ref.up.weight]["exp_avg"])
+    with torch.no_grad():  # a copy on the ranks too: changing it leaves the source alone
+        again.state[p]["exp_avg"].mul_(0)
+    torch.testing.assert_close(opt.state[p]["exp_avg"].to_torch(),
+                               topt.state[ref.up.weight]["exp_avg"])
+    again.load_state_dict(opt.state_dict())
     plain = torch.optim.AdamW(ref.parameters(), **kwargs)
     plain.load_state_dict(full_state_dict(again))  # the gathered form on one device
     torch.testing.assert_close(plain.state[ref.up.weight]["exp_avg_sq"],
