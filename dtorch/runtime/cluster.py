@@ -63,6 +63,43 @@ def main_module_hidden():
             main.__dict__.update(saved)
 
 
+# How each local rank's worker process ended, by its Dask address (filled by RankNanny, which
+# runs in the controller's process for a local cluster): WorkerLostError says why a rank died.
+_EXIT_CODES: dict[str, int] = {}
+
+
+def exit_reason(address: str, wait_s: float = 0.0) -> str | None:
+    """Why the local worker at ``address`` ended, in words, or None when unknown (a remote
+    cluster's Nanny is not in this process; the worker still runs). ``wait_s`` gives the
+    Nanny that long to reap a process that just died.
+
+    >>> _EXIT_CODES["tcp://127.0.0.1:1"] = -9
+    >>> exit_reason("tcp://127.0.0.1:1")
+    'its process was killed by SIGKILL (signal 9: out of memory, or killed by hand)'
+    >>> exit_reason("tcp://127.0.0.1:2") is None
+    True
+    """
+    import signal
+    deadline = time.monotonic() + wait_s
+    while address not in _EXIT_CODES and time.monotonic() < deadline:
+        time.sleep(0.02)
+    code = _EXIT_CODES.get(address)
+    if code is None:
+        return None
+    if code >= 0:
+        return (f"its process exited with code {code}" + (
+            " (the worker closed itself: it lost the scheduler, or was closed by hand)"
+            if code == 0 else ""))
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = {"SIGKILL": "out of memory, or killed by hand",
+            "SIGABRT": "a C++ abort in torch or gloo: see the worker's stderr",
+            "SIGSEGV": "a crash in native code: see the worker's stderr"}.get(name)
+    return f"its process was killed by {name} (signal {-code}{': ' + hint if hint else ''})"
+
+
 def _rank_nanny_class():
     from distributed import Nanny
     from distributed.core import Status
@@ -70,9 +107,11 @@ def _rank_nanny_class():
     class RankNanny(Nanny):
         """A Nanny that does not bring a dead rank back: its shards and its place in the
         torch.distributed world are gone, so dtorch reports the loss and restart() starts a
-        fresh world instead."""
+        fresh world instead. It records how the worker ended (``exit_reason``)."""
 
         async def _on_worker_exit(self, exitcode):
+            if self.worker_address and exitcode is not None:
+                _EXIT_CODES[self.worker_address] = exitcode
             if self.status in (Status.running, Status.starting):
                 try:
                     await self._unregister()

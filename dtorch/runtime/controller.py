@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..errors import ClusterError, InterpreterStuckError, RemoteError, WorkerLostError
 from . import messages as m
 from .batches import rank_batches
+from .cluster import exit_reason
 from .intern import InternTable
 from .interrupts import interrupts_held
 from .wire import pack
@@ -328,9 +329,11 @@ class Controller:
 
     def _lost(self, rank: int, exc: BaseException | None = None) -> WorkerLostError:
         self.closed = True
-        why = f": {exc}" if exc else ""
-        return WorkerLostError(f"rank {rank} (Dask worker {self.ranks[rank].address}) died or left "
-                               f"the cluster{why}. Its shards are lost; call dtorch.restart() to "
+        address = self.ranks[rank].address
+        ended = exit_reason(address, wait_s=2.0 if self.cluster is not None else 0.0)
+        why = "".join(f"; {reason}" for reason in (exc, ended) if reason)
+        return WorkerLostError(f"rank {rank} (Dask worker {address}) died or left the "
+                               f"cluster{why}. Its shards are lost; call dtorch.restart() to "
                                f"start a fresh world")
 
     def synchronize(self, timeout: float | None = None) -> None:
