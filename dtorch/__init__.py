@@ -47,7 +47,7 @@ def __getattr__(name: str):
     if name in ("constants_sent", "clear_constants"):  # plain tensors as constants
         from .ops import constants
         return getattr(constants, name)
-    if name in ("nn", "ops", "random", "parallel", "optim"):
+    if name in ("nn", "ops", "random", "parallel", "optim", "checkpoint"):
         import importlib
         return importlib.import_module(f".{name}", __name__)
     if name in _PARALLEL:  # dtorch.parallelize_module, dtorch.ColwiseParallel, ...

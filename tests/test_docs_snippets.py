@@ -110,6 +110,14 @@ def _optim(s):
     assert s["opt"].state[s["model"][0].weight]["exp_avg"].placements == (Replicate(), Shard(0))
 
 
+def _checkpoint(s):
+    assert s["state"]["step"] == 1
+    for a, b in zip(s["model"].parameters(), s["model2"].parameters()):
+        assert torch.equal(a.to_torch(), b.to_torch())
+    assert s["opt2"].state_dict()["state"][0]["step"].item() == 1
+    assert s["model2"][0].weight.device_mesh.ndim == 2
+
+
 CHECKS = {
     "d.local_shapes()": _quick_example,
     "out = xs @ ws": _operators,
@@ -120,6 +128,7 @@ CHECKS = {
     "transformers' own generate": _transformers,
     "dtorch.fully_shard(layer, mesh": _fully_shard,
     "opt = dtorch.optim.AdamW(": _optim,
+    "dtorch.checkpoint.save_async(": _checkpoint,
 }
 
 

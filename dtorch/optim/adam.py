@@ -33,6 +33,9 @@ class Adam(DTensorOptimizer, torch.optim.Adam):
             state["max_exp_avg_sq"] = factories.zeros_like(p)
         return state
 
+    def _init_param_state(self, group: dict, p) -> None:
+        self._state_of(p, group["amsgrad"])
+
     def _step(self, group: dict, params: list, grads: list) -> None:
         amsgrad = group["amsgrad"]
         states = [self._state_of(p, amsgrad) for p in params]

@@ -152,6 +152,24 @@ class DTensorOptimizer:
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
+    def init_state(self) -> "DTensorOptimizer":
+        """Make the state a first step would make (zeros, in each parameter's placements)
+        for every parameter that has none, without stepping: ``state_dict()`` then has every
+        entry a checkpoint holds, so ``dtorch.checkpoint.load`` can fill it (what
+        ``torch.distributed.checkpoint.state_dict`` does with a zero-learning-rate step).
+
+        >>> # opt.init_state(); sd = {"optim": opt.state_dict()}
+        >>> # dtorch.checkpoint.load(sd, path); opt.load_state_dict(sd["optim"])
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self.state[p]:
+                    self._init_param_state(group, p)
+        return self
+
+    def _init_param_state(self, group: dict, p: DTensor) -> None:
+        raise NotImplementedError
+
     def _fix_loaded_group(self, group: dict) -> dict:
         """What the torch class's ``__setstate__`` fixes in a loaded group (AdamW: override)."""
         return group

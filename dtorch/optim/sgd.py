@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import factories
 from . import kernels
 from .optimizer import DTensorOptimizer, run_step
 
@@ -17,6 +18,10 @@ class SGD(DTensorOptimizer, torch.optim.SGD):
     with the parameters' placements (made from the first gradient, on the ranks)."""
 
     _torch_name = "SGD"
+
+    def _init_param_state(self, group: dict, p) -> None:
+        if group["momentum"] != 0:  # torch's zero-learning-rate step on zero gradients
+            self.state[p]["momentum_buffer"] = factories.zeros_like(p)
 
     def _step(self, group: dict, params: list, grads: list) -> None:
         momentum = group["momentum"]

@@ -111,7 +111,9 @@ class Interpreter(LocalGraphs):
                           m.Redistribute: self._redistribute, m.Call: self._call,
                           m.Fetch: self._fetch, m.Sync: self._sync, m.Free: self._free,
                           m.Eager: self._eager, m.Unflatten: self._unflatten,
-                          m.RecordedCall: self._recorded_call, m.Backward: self._backward}
+                          m.RecordedCall: self._recorded_call, m.Backward: self._backward,
+                          m.Checkpoint: self._checkpoint}
+        self.post_later: Callable | None = None  # answers a request later (the actor's)
         self.current: tuple[str, float] | None = None  # (instruction, started) while running
 
     # entry point -----------------------------------------------------------------------------
@@ -369,6 +371,12 @@ class Interpreter(LocalGraphs):
                                    f"controller expected {len(instr.outs)}")
         for tid, leaf in zip(instr.outs, leaves):
             self.store[tid] = leaf
+
+    def _checkpoint(self, instr: m.Checkpoint):
+        if self.broken is not None:  # never start the checkpoint's collectives out of step
+            return instr.req, ("err", self.broken)
+        from . import checkpoint_io
+        return checkpoint_io.run(self, instr, self.post_later)
 
     def _sync(self, instr: m.Sync):
         errors, self.errors = self.errors, []

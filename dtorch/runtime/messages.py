@@ -84,6 +84,22 @@ class Call(NamedTuple):
     ranks: tuple[int, ...]
 
 
+class Checkpoint(NamedTuple):
+    """Every rank of the world saves or loads (``action``: "save", "save_async", "load") the
+    ``entries`` (``checkpoint.entries.Entry``) it holds with torch.distributed.checkpoint,
+    then answers ``req`` (rank 0: the loaded values that live on the controller). A save
+    writes ``staging`` and renames it to ``path`` when complete; ``lists``: ``(path,
+    length)`` of the state dict's lists."""
+
+    req: int
+    action: str
+    path: str
+    staging: str | None
+    entries: tuple
+    lists: tuple
+    ranks: tuple[int, ...]
+
+
 class Fetch(NamedTuple):
     """Send the local shard of ``tid`` back under request id ``req``."""
 
