@@ -12,6 +12,11 @@ with ``h.redistribute(device_mesh=stage)`` (one send/recv per micro-batch).
 - dtorch pipelined: the same rows as ``MICRO`` micro-batches issued back to back. The
   controller never waits, so stage 0 runs micro-batch k+1 while stage 1 runs micro-batch k.
 
+A second pair of rows trains: forward and backward of the mean squared output, one batch's
+``.backward()`` against ``dtorch.pipeline_backward`` over the micro-batches in 1F1B order (the
+same gradients, checked; each stage's part is its own callable, so each stage gets its own
+1F1B order; the ideal speedup is the same, the target 1.5x).
+
 Both are timed on the controller (issue, then ``dtorch.synchronize()``), take turns one repeat
 each, and report the median. Ideal speedup with 2 balanced stages: ``2 M / (M + 1)`` = 1.78x
 for M = 8. Target: at least 1.6x (a ratio pipelined / one batch of at most 0.625).
@@ -39,6 +44,7 @@ from _common import Row, main, median, summarize  # noqa: E402
 WORLD = 2
 MICRO = 8
 TARGET_SPEEDUP = 1.6
+TRAIN_TARGET_SPEEDUP = 1.5  # issue 20's target for a training step
 
 
 def sizes(quick: bool) -> tuple[int, int, int, int]:
@@ -73,15 +79,27 @@ class Pipeline:
                 self.layers.append(nn.ReplicateParallelLinear(width, width))
 
     def __call__(self, x):
-        import torch
         h = x
+        for s in range(len(self.stages)):
+            h = self.stage(s, h)
+        return h
+
+    def stage(self, s: int, h):
+        """Stage ``s``'s part: its layers, then the activation sent on to the next stage
+        (the send is the producer's: it goes out as soon as the activation is made)."""
+        import torch
         for i, layer in enumerate(self.layers):
-            h = h.redistribute(device_mesh=self.stages[self.stage_of[i]])
-            h = torch.relu(layer(h))
+            if self.stage_of[i] == s:
+                h = torch.relu(layer(h))
+        if s + 1 < len(self.stages):
+            h = h.redistribute(device_mesh=self.stages[s + 1])
         return h
 
 
-def measure(quick: bool) -> dict:
+def measure(quick: bool, train: bool = False) -> dict:
+    """Inference (``train=False``: forwards only) or training (forward and backward of the
+    mean squared output: one batch's ``.backward()`` vs ``dtorch.pipeline_backward`` over the
+    micro-batches in 1F1B order; gradients compared, then cleared each repeat)."""
     import torch
 
     import dtorch
@@ -90,7 +108,7 @@ def measure(quick: bool) -> dict:
     width, layers, rows, repeats = sizes(quick)
     dtorch.init(n_workers=WORLD)
     grad_was = torch.is_grad_enabled()
-    torch.set_grad_enabled(False)  # inference: the stages' parameters record no graph
+    torch.set_grad_enabled(train)  # inference: the stages' parameters record no graph
     try:
         c = session.get_controller()
         workers = [cluster_addr for _, cluster_addr in sorted(
@@ -109,11 +127,29 @@ def measure(quick: bool) -> dict:
         micro = [dtorch.distribute_tensor(part, stage0, [Replicate()])
                  for part in x.chunk(MICRO)]
 
+        params = [p for layer in model.layers for p in layer.parameters()]
+
         def one_batch():
-            return [model(whole)]
+            if not train:
+                return [model(whole)]
+            model(whole).square().mean().backward()
+            return [p.grad for p in params]
 
         def pipelined():
-            return [model(m) for m in micro]
+            if not train:
+                return [model(m) for m in micro]
+            stages = [lambda h, s=s: model.stage(s, h) for s in range(len(model.stages))]
+            dtorch.pipeline_backward(stages, micro, lambda out, m: out.square().mean())
+            return [p.grad for p in params]
+
+        def cleared(fn):
+            def run():
+                for p in params:
+                    p.grad = None
+                return fn()
+            return run
+
+        one_batch, pipelined = cleared(one_batch), cleared(pipelined)
 
         def timed(fn):
             dtorch.synchronize()
@@ -127,9 +163,13 @@ def measure(quick: bool) -> dict:
             return wall, [(b[0] - a[0], b[1] - a[1]) for a, b in zip(before, after)]
 
         # warm-up, and the two schedules give the same values
-        ref_out = one_batch()[0].to_torch()
-        got_out = torch.cat([o.to_torch() for o in pipelined()])
-        assert torch.allclose(ref_out, got_out, atol=1e-4), (ref_out - got_out).abs().max()
+        if train:  # micro-batch losses are means over equal parts: the same gradients
+            for ref_g, got_g in zip(one_batch(), pipelined()):
+                assert torch.allclose(ref_g.to_torch(), got_g.to_torch(), atol=1e-5)
+        else:
+            ref_out = one_batch()[0].to_torch()
+            got_out = torch.cat([o.to_torch() for o in pipelined()])
+            assert torch.allclose(ref_out, got_out, atol=1e-4), (ref_out - got_out).abs().max()
         runs: dict[str, list] = {"one": [], "pipe": []}
         for _ in range(repeats):
             runs["one"].append(timed(one_batch))
@@ -149,10 +189,15 @@ def measure(quick: bool) -> dict:
 
 
 def run(quick: bool = False) -> list[Row]:
+    return [one_run(quick, train=False), one_run(quick, train=True)]
+
+
+def one_run(quick: bool, train: bool) -> Row:
     width, layers, rows, _ = sizes(quick)
-    print(f"[pipeline] 2 stages x 1 rank, {layers} Linear({width}, {width}) layers, {rows} rows: "
-          f"one batch vs {MICRO} micro-batches, taking turns ...", flush=True)
-    got = measure(quick)
+    what = "training (forward + backward, 1F1B)" if train else "inference"
+    print(f"[pipeline] {what}: 2 stages x 1 rank, {layers} Linear({width}, {width}) layers, "
+          f"{rows} rows: one batch vs {MICRO} micro-batches, taking turns ...", flush=True)
+    got = measure(quick, train)
     (one_timing, one_t), (pipe_timing, pipe_t) = got["one"], got["pipe"]
     one, pipe = one_timing.median, pipe_timing.median
     speedup = one / pipe
@@ -164,15 +209,16 @@ def run(quick: bool = False) -> list[Row]:
             f"{(1 - busy - runq) * wall * 1e3:.0f} ms, for a core {runq * wall * 1e3:.0f} ms"
             for r, (busy, runq) in enumerate(shares))
         print(f"[pipeline] {name}: {wall * 1e3:.1f} ms; {parts}", flush=True)
-    print(f"[pipeline] speedup {speedup:.2f}x (ideal {ideal:.2f}x, target >= "
-          f"{TARGET_SPEEDUP}x)", flush=True)
+    target = TRAIN_TARGET_SPEEDUP if train else TARGET_SPEEDUP
+    print(f"[pipeline] speedup {speedup:.2f}x (ideal {ideal:.2f}x, target >= {target}x)",
+          flush=True)
     wait = "; ".join(f"stage {r} waits {1 - b - q:.0%} for the other stage, {q:.0%} for a core "
                      f"(one batch: {1 - b1 - q1:.0%}, {q1:.0%})"
                      for r, ((b, q), (b1, q1)) in enumerate(zip(pipe_t, one_t)))
-    return [Row.timed(f"pipeline: {MICRO} micro-batches vs one batch (2 stages)", pipe_timing,
-                      one_timing, 1 / TARGET_SPEEDUP,
-                      f"speedup {speedup:.2f}x, target >= {TARGET_SPEEDUP}x, ideal {ideal:.2f}x; "
-                      f"{wait}")]
+    name = "training step" if train else "forward"
+    return Row.timed(f"pipeline {name}: {MICRO} micro-batches vs one batch (2 stages)",
+                     pipe_timing, one_timing, 1 / target,
+                     f"speedup {speedup:.2f}x, target >= {target}x, ideal {ideal:.2f}x; {wait}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from .errors import (ClusterError, DTorchError, FreedTensorError, InterpreterStu
                      RemoteError, UnsupportedOpError, WorkerLostError)
 from .layout import chunk_sizes, local_shapes, rank_blocks
 from .mesh import DeviceMesh, init_device_mesh
-from .pipeline import assign_layers_to_stages
+from .pipeline import assign_layers_to_stages, pipeline_backward
 from .placement import Partial, Placement, Replicate, Shard
 from .redistribute import plan_redistribute
 from .comm_debug import CommDebugMode

@@ -123,3 +123,61 @@ def test_a_move_to_the_same_stage_moves_nothing(live):
     with dtorch.CommDebugMode() as mode:
         same = h.redistribute(device_mesh=stage)
     assert same is h and mode.get_total_counts() == 0
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_pipeline_training_on_micro_batches_gives_the_whole_batch_gradients(live, schedule):
+    """pp2 x tp2, 4 micro-batches of 2 rows through ``dtorch.pipeline_backward``: the
+    accumulated gradients and the AdamW step equal torch's on the whole batch of 8 rows on one
+    device; one send and one receive per micro-batch each way."""
+    import torch.nn.functional as F
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    torch.manual_seed(9)
+    ref = TorchStaged()
+    model = Staged(mesh)
+    model.load_state_dict(ref.state_dict())
+    tokens = torch.randint(0, 17, (8, 5))
+    targets = torch.randint(0, 17, (8, 5))
+    stage0, stage1 = mesh.unbind("pp")
+    batches = [(dtorch.distribute_tensor(t, stage0, [R]), dtorch.distribute_tensor(y, stage1, [R]))
+               for t, y in zip(tokens.chunk(4), targets.chunk(4))]
+
+    def first(mb):
+        h = model.embed(mb[0])
+        return model.layers[1](model.layers[0](h))
+
+    def second(h):
+        h = h.redistribute(device_mesh=stage1)
+        return model.head(model.layers[3](model.layers[2](h)))
+
+    def loss_fn(out, mb):
+        return F.cross_entropy(out.flatten(0, 1), mb[1].flatten())
+
+    opt = dtorch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    with dtorch.CommDebugMode() as mode:
+        losses = dtorch.pipeline_backward([first, second], batches, loss_fn, schedule=schedule)
+    assert mode.get_comm_counts()["send_recv"] == 4 * 2
+    whole = F.cross_entropy(ref(tokens).flatten(0, 1), targets.flatten())
+    whole.backward()
+    assert torch.allclose(torch.stack([l.to_torch() for l in losses]).mean(), whole.detach(),
+                          atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.to_torch(), q.grad, atol=1e-5, rtol=1e-4, msg=name)
+    opt.step(), ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to_torch(), q.detach(), atol=1e-5, rtol=1e-4)
+
+
+def test_pipeline_backward_refuses_a_loss_or_stage_output_it_cannot_run(live):
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("pp",))
+    w = dtorch.distribute_tensor(torch.ones(3), mesh.unbind("pp")[0], [R]).requires_grad_()
+    with pytest.raises(TypeError, match="0-dim loss DTensor.*shape \\(3,\\)"):
+        dtorch.pipeline_backward([lambda mb: w * mb], [1.0, 2.0], lambda out, mb: out)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="does not require grad"):
+        dtorch.pipeline_backward([lambda mb: w * mb], [1.0], lambda out, mb: out.sum())
+    with pytest.raises(TypeError, match="stage 0 gave micro-batch 0 a float"):
+        dtorch.pipeline_backward([lambda mb: 1.0, lambda h: w * h], [1.0],
+                                 lambda out, mb: out.sum())
+    with pytest.raises(ValueError, match="choose one of"):
+        dtorch.pipeline_backward([lambda mb: w * mb], [1.0], lambda out, mb: out.sum(), "zb")
