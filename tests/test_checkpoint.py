@@ -237,7 +237,10 @@ def test_bad_input_is_refused_before_anything_is_sent(saved, tmp_path):
             "cannot be saved", TypeError)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "keep.txt").write_text("mine")
-    illegal(lambda: dtorch.checkpoint.save({"w": w}, tmp_path / "data"), "is not a checkpoint",
+    illegal(lambda: dtorch.checkpoint.save({"w": w}, tmp_path / "data"),
+            "not a checkpoint's .* keep.txt", FileExistsError)
+    (tmp_path / "link").symlink_to(path)
+    illegal(lambda: dtorch.checkpoint.save({"w": w}, tmp_path / "link"), "symbolic link",
             FileExistsError)
     illegal(lambda: dtorch.checkpoint.save([w], tmp_path / "q"), "is a dict", TypeError)
     assert torch.equal(w.to_torch(), torch.zeros(7, 5))

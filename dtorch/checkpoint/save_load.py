@@ -64,8 +64,13 @@ def _start_save(state_dict: dict, path, action: str) -> TensorFuture:
                         range(c.world))
     if staged:
         c.issue(m.Free(tuple(staged), (0,)))
-    fut = TensorFuture(c, futures, lambda answers: _raise_failures(c, answers),
-                       cleanup=lambda: reduced.clear())  # kept until written
+    def done():
+        reduced.clear()  # the reduced Partial values, kept until written
+        with _lock:
+            if _in_flight.get(path) is fut:
+                del _in_flight[path]
+
+    fut = TensorFuture(c, futures, lambda answers: _raise_failures(c, answers), cleanup=done)
     with _lock:
         _in_flight[path] = fut
     return fut
@@ -79,11 +84,11 @@ def load(state_dict: dict, path) -> None:
     from ..autograd import versions
     path = os.path.abspath(os.fspath(path))
     leaves, lists = flatten(state_dict)
+    _wait_for_save(path)  # a save_async to it still writing: what it writes is what loads
     metadata = _metadata(path)
     if metadata is not None:
         check_against(metadata, leaves)
     c = _controller(leaves)
-    _wait_for_save(path)
     entries = [_load_entry(leaf) for leaf in leaves]
     for e in entries:
         if e.mesh is not None:
@@ -100,15 +105,9 @@ def load(state_dict: dict, path) -> None:
 
 # checks ------------------------------------------------------------------------------------------
 def _checked_save_path(path) -> str:
+    from ..runtime.checkpoint_io import check_save_path
     path = os.path.abspath(os.fspath(path))
-    if os.path.isfile(path):
-        raise FileExistsError(f"{path} is a file; a checkpoint is a directory: save to a "
-                              f"new path or a directory")
-    if os.path.isdir(path) and os.listdir(path) and \
-            not os.path.exists(os.path.join(path, ".metadata")):
-        raise FileExistsError(f"{path} holds files and is not a checkpoint (no .metadata); "
-                              f"a save replaces the directory it names, so choose an empty or "
-                              f"new path")
+    check_save_path(path)
     return path
 
 

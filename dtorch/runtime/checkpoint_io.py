@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,27 +37,82 @@ PEER_FAILED = ("another rank's part of the checkpoint came from a failed op; "
 
 def run(interp, instr: m.Checkpoint, post_later):
     """Run ``instr`` on this rank; returns its answer, or None when ``post_later`` will be
-    called with it (save_async)."""
+    called with it (save_async). Whatever fails here is decided by every rank together (one
+    vote before DCP starts), so nobody waits in a collective a peer skipped."""
     import torch.distributed as dist
     op = f"dtorch.checkpoint.{instr.action}"
+    failure, zeroed = None, []
     try:
-        items, poison = _items(interp, instr)
-        if _any_rank(poison is not None, interp.device):
-            failure = poison.failure if poison is not None else RemoteFailure(
-                interp.rank, op, PEER_FAILED, "")
-            return instr.req, ("err", failure)
+        if instr.action == "save_async":
+            group = _async_group(interp)  # every rank makes it here, before anything fails
+        if interp.rank == 0 and instr.action != "load":
+            check_save_path(instr.path)
+        items, poison, zeroed = _items(interp, instr)
+        if poison is not None:
+            failure = poison.failure
         state = nest(items, dict(instr.lists))
+        if instr.action == "save_async" and failure is None:
+            state = _staged_copy(state)
+    except Exception as exc:  # noqa: BLE001 - this rank's own failure: put to the vote
+        failure = _failure(interp, op, exc)
+    try:
+        if _any_rank(failure is not None, interp.device):
+            return instr.req, ("err", failure or RemoteFailure(interp.rank, op, PEER_FAILED, ""))
         if instr.action == "save":
             _save(state, instr, dist.group.WORLD)
             return instr.req, ("ok", None)
         if instr.action == "load":
             _load(state, instr)
+            with torch.no_grad():
+                for t in zeroed:  # a Partial('sum') holds its loaded value on one rank
+                    t.zero_()
             return instr.req, ("ok", _loaded_values(state, instr) if interp.rank == 0 else None)
-        staged = _staged_copy(state)
-        _writer().submit(_save_later, staged, instr, post_later, interp)
+        _writer(interp).submit(_save_later, state, instr, group, post_later, interp)
         return None
     except Exception as exc:  # noqa: BLE001 - every rank answers; DCP told its peers
-        return instr.req, ("err", interp._collective_failure(op, exc).failure)
+        return instr.req, ("err", _failure(interp, op, exc))
+
+
+def _failure(interp, op: str, exc: BaseException) -> RemoteFailure:
+    """The failure to answer with: not queued for ``synchronize()`` (the caller of the
+    checkpoint gets it), except a broken collective, which leaves this rank out of step."""
+    import traceback
+    from .collectives import is_comm_failure
+    if is_comm_failure(exc):
+        return interp._collective_failure(op, exc).failure
+    return RemoteFailure(interp.rank, op, f"{type(exc).__name__}: {exc}",
+                         "".join(traceback.format_exception(exc)))
+
+
+def check_save_path(path: str) -> None:
+    """Refuse to replace ``path`` unless it is absent, empty or a checkpoint (only DCP's
+    ``.metadata`` and ``*.distcp`` files): a save swaps the directory out whole. Run on the
+    controller and again on rank 0, which does the swap (its file system may differ).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "notes.txt").write_text("mine")
+    4
+    >>> try:
+    ...     check_save_path(str(d))
+    ... except FileExistsError as e:
+    ...     print(str(e).split(":")[-1].strip())
+    notes.txt; choose an empty or new path
+    """
+    if os.path.islink(path):
+        raise FileExistsError(f"{path} is a symbolic link; a save replaces the directory it "
+                              f"names, so give the link's target ({os.path.realpath(path)})")
+    if os.path.isfile(path):
+        raise FileExistsError(f"{path} is a file; a checkpoint is a directory: save to a "
+                              f"new path or a directory")
+    if not os.path.isdir(path):
+        return
+    others = sorted(f for f in os.listdir(path)
+                    if f != ".metadata" and not f.endswith(".distcp"))
+    if others:
+        raise FileExistsError(f"{path} holds files that are not a checkpoint's and a save "
+                              f"replaces the directory it names: {', '.join(others[:3])}"
+                              f"{' ...' if len(others) > 3 else ''}; choose an empty or new "
+                              f"path")
 
 
 def nest(items: list[tuple[tuple, Any]], lists: dict[tuple, int]) -> dict:
@@ -86,10 +142,11 @@ def nest(items: list[tuple[tuple, Any]], lists: dict[tuple, int]) -> dict:
     return {k: relist((k,), v) for k, v in root.items()}
 
 
-def _items(interp, instr) -> tuple[list, Poison | None]:
-    """``(path, value)`` for what this rank holds, and the first poisoned shard among them."""
+def _items(interp, instr) -> tuple[list, Poison | None, list]:
+    """``(path, value)`` for what this rank holds, the first poisoned shard among them, and
+    (load) the shards of Partial values this rank does not hold, to zero once loaded."""
     from torch.distributed.tensor import DTensor as TorchDTensor
-    items, poison = [], None
+    items, poison, zeroed = [], None, []
     for e in instr.entries:
         if e.mesh is None:  # on the controller: rank 0 writes or reads it
             if interp.rank != 0:
@@ -106,7 +163,7 @@ def _items(interp, instr) -> tuple[list, Poison | None]:
             if isinstance(value, torch.Tensor) and instr.action == "load":
                 value = _writable(interp, e.tid, value)
                 if not holds_value(e.mesh, e.placements, e.mesh.get_coordinate(interp.rank)):
-                    value.zero_()  # a Partial('sum') holds its loaded value on one rank
+                    zeroed.append(value)
                     continue
         if isinstance(value, Poison) or value is None:
             poison = poison or (value if value is not None else interp._fail(
@@ -115,15 +172,16 @@ def _items(interp, instr) -> tuple[list, Poison | None]:
         if e.mesh is not None:
             value = TorchDTensor.from_local(value, _torch_mesh(e.mesh), _placements(e),
                                             run_check=False, shape=torch.Size(e.shape),
-                                            stride=_contiguous_strides(e.shape))
+                                            stride=torch.empty(e.shape, device="meta").stride())
         items.append((e.path, value))
-    return items, poison
+    return items, poison, zeroed
 
 
 def _writable(interp, tid: int, value: torch.Tensor) -> torch.Tensor:
     """A shard a load can write into in place: one whose elements share memory (an expanded
     value) gets its own first."""
-    if any(s == 0 and n > 1 for s, n in zip(value.stride(), value.shape)):
+    from .local_graphs import _overlaps
+    if _overlaps(value):
         value = value.clone()
         interp.store[tid] = value
     return value
@@ -138,28 +196,23 @@ def _any_rank(flag: bool, device) -> bool:
 
 
 def _torch_mesh(mesh):
-    """The PyTorch DeviceMesh of a dtorch mesh, built the way ``DeviceMesh.from_group``
-    builds one: DCP needs only this rank's coordinate, so no process group is made."""
-    found = _TORCH_MESHES.get(mesh)
+    """The PyTorch DeviceMesh of a dtorch mesh in this rank's current world, built the way
+    ``DeviceMesh.from_group`` builds one: DCP needs only this rank's coordinate, so no
+    process group is made."""
+    import torch.distributed as dist
+    key = (mesh, id(dist.group.WORLD))  # a restarted world here may give this process
+    found = _TORCH_MESHES.get(key)      # another rank
     if found is None:
         from torch.distributed.device_mesh import DeviceMesh as TorchMesh
         found = TorchMesh(mesh.device_type, torch.tensor(mesh.mesh_list, dtype=torch.int),
                           mesh_dim_names=mesh.mesh_dim_names, _init_backend=False)
-        _TORCH_MESHES[mesh] = found
+        _TORCH_MESHES[key] = found
     return found
 
 
 def _placements(e) -> tuple:
     from torch.distributed.tensor import Replicate, Shard
     return tuple(Shard(p.dim) if p.is_shard() else Replicate() for p in e.placements)
-
-
-def _contiguous_strides(shape) -> tuple:
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def _save(state: dict, instr, group) -> None:
@@ -190,16 +243,17 @@ def _loaded_values(state: dict, instr) -> dict:
 
 
 def _staged_copy(state):
-    """What save_async writes: a copy of every shard made now, so training can go on."""
+    """What save_async writes: a copy of every shard made now, in CPU memory, so training
+    can go on (and a GPU keeps only its own)."""
     from torch.distributed.tensor import DTensor as TorchDTensor
 
     def copy(v):
         if isinstance(v, TorchDTensor):
-            return TorchDTensor.from_local(v.to_local().detach().clone(), v.device_mesh,
-                                           v.placements, run_check=False, shape=v.shape,
-                                           stride=v.stride())
+            return TorchDTensor.from_local(v.to_local().detach().to("cpu", copy=True),
+                                           _cpu_mesh(v.device_mesh), v.placements,
+                                           run_check=False, shape=v.shape, stride=v.stride())
         if isinstance(v, torch.Tensor):
-            return v.detach().clone()
+            return v.detach().to("cpu", copy=True)
         if isinstance(v, dict):
             return {k: copy(x) for k, x in v.items()}
         if isinstance(v, list):
@@ -209,25 +263,42 @@ def _staged_copy(state):
     return copy(state)
 
 
-def _writer() -> ThreadPoolExecutor:
-    """The one thread that runs save_async writes (in order: its DCP collectives run on one
-    process group of their own, which only this thread uses)."""
+def _cpu_mesh(torch_mesh):
+    """The same mesh for CPU copies (the writer's group is gloo)."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+    if torch_mesh.device_type == "cpu":
+        return torch_mesh
+    return TorchMesh("cpu", torch_mesh.mesh, mesh_dim_names=torch_mesh.mesh_dim_names,
+                     _init_backend=False)
+
+
+def _async_group(interp):
+    """The process group save_async's writes coordinate over: gloo (the copies are in CPU
+    memory), the world's ranks and timeout, made once per world on every rank in stream
+    order (``new_group`` is collective)."""
     import torch.distributed as dist
     with _lock:
         if not _ASYNC_GROUP or _ASYNC_GROUP[0][0] is not dist.group.WORLD:
-            _ASYNC_GROUP[:] = [(dist.group.WORLD, dist.new_group(
-                list(range(dist.get_world_size())), backend=dist.get_backend()))]
-            if not _WRITER:
-                _WRITER.append(ThreadPoolExecutor(1, thread_name_prefix="dtorch-ckpt"))
+            group = dist.new_group(list(range(dist.get_world_size())), backend="gloo",
+                                   timeout=timedelta(seconds=interp.timeout_s))
+            _ASYNC_GROUP[:] = [(dist.group.WORLD, group)]
+        return _ASYNC_GROUP[0][1]
+
+
+def _writer(interp) -> ThreadPoolExecutor:
+    """The one thread that runs save_async writes, in order (only it uses their group)."""
+    with _lock:
+        if not _WRITER:
+            _WRITER.append(ThreadPoolExecutor(1, thread_name_prefix="dtorch-ckpt"))
         return _WRITER[0]
 
 
-def _save_later(state, instr, post_later, interp) -> None:
+def _save_later(state, instr, group, post_later, interp) -> None:
     try:
-        _save(state, instr, _ASYNC_GROUP[0][1])
+        _save(state, instr, group)
         answer = ("ok", None)
     except Exception as exc:  # noqa: BLE001 - reported through the future
-        answer = ("err", interp._fail("dtorch.checkpoint.save_async", exc).failure)
+        answer = ("err", _failure(interp, "dtorch.checkpoint.save_async", exc))
     post_later(instr.req, answer)
 
 

@@ -202,6 +202,8 @@ def start_local_cluster(n_workers: int, **dask_kwargs):
         if v is None:
             os.environ.pop(k, None)
     client = Client(cluster, set_as_default=False, direct_to_workers=True)
+    for address in client.scheduler_info(n_workers=-1)["workers"]:
+        _EXIT_CODES.pop(address, None)  # an address an earlier cluster's worker had
     protect_workers(client)  # Ctrl-C in the controller's terminal must not kill the ranks
     return client, cluster
 

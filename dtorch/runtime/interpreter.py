@@ -114,6 +114,7 @@ class Interpreter(LocalGraphs):
                           m.RecordedCall: self._recorded_call, m.Backward: self._backward,
                           m.Checkpoint: self._checkpoint}
         self.post_later: Callable | None = None  # answers a request later (the actor's)
+        self.timeout_s = 60.0  # the world's collective timeout (the actor sets its own)
         self.current: tuple[str, float] | None = None  # (instruction, started) while running
 
     # entry point -----------------------------------------------------------------------------

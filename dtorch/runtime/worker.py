@@ -72,6 +72,7 @@ class RankActor:
         self.device = device
         self.interp = Interpreter(rank, self._group_of, self._make_groups, seed, device)
         self.interp.post_later = self._post  # save_async answers from its writer thread
+        self.interp.timeout_s = timeout_s
         # rank 0's store socket, opened on this worker's address by check_world_connects
         store_socket = take_listener(store_key) if store_key else None
         args = (master_addr, master_port, backend, timeout_s, num_threads, store_socket)
