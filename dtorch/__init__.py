@@ -35,6 +35,7 @@ int = int32
 
 __version__ = "0.1.0"
 _PARALLEL = ("parallelize_module", "distribute_module", "fully_shard", "loss_parallel",
+             "DistributedDataParallel",
              "ColwiseParallel",
              "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
              "ParallelStyle")

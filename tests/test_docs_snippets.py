@@ -118,6 +118,10 @@ def _checkpoint(s):
     assert s["model2"][0].weight.device_mesh.ndim == 2
 
 
+def _ddp(s):
+    assert s["mode"].get_comm_counts() == {"all_reduce": 1}
+
+
 CHECKS = {
     "d.local_shapes()": _quick_example,
     "out = xs @ ws": _operators,
@@ -129,6 +133,7 @@ CHECKS = {
     "dtorch.fully_shard(layer, mesh": _fully_shard,
     "opt = dtorch.optim.AdamW(": _optim,
     "dtorch.checkpoint.save_async(": _checkpoint,
+    "model = dtorch.DistributedDataParallel(net": _ddp,
 }
 
 

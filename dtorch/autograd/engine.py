@@ -21,7 +21,7 @@ import torch
 
 from .. import comm_debug
 from ..runtime import messages as m
-from . import cotangent, versions
+from . import buckets, cotangent, versions
 from .node import AutogradMeta, Node
 from .redistribute import grad_target
 
@@ -139,7 +139,7 @@ def _needed(nodes: dict, targets: set) -> set:
 class _Walk:
     """One backward: pending gradients per (node id, output) and per leaf."""
 
-    def __init__(self, roots, retain: bool, targets=None):
+    def __init__(self, roots, retain: bool, targets=None, bucket_early: bool = False):
         self.roots = roots
         self.retain = retain
         self.targets = targets  # None: accumulate into leaves; else capture these keys
@@ -147,6 +147,9 @@ class _Walk:
         self.leaves: dict = {}  # id(meta) -> (meta, spec, [grads])
         self.captured: dict = {}
         self.user_grads: set = set()
+        self.bucket_early = bucket_early  # reduce a full bucket as soon as it is ready
+        self.open_buckets: dict = {}  # bucket key -> [(meta, key, gradient, name)], bytes
+        self.bucketed: dict = {}  # id(meta) -> its gradient, reduced with a bucket
 
     def seed(self) -> None:
         for t, g in self.roots:
@@ -173,28 +176,68 @@ class _Walk:
         return g
 
     def run(self, nodes: dict, needed: set | None) -> None:
+        waiting = _leaf_edges(nodes) if self.bucket_early else None
         for nid in sorted(nodes, reverse=True):
-            node = nodes[nid]
-            grads = self._incoming(node)
-            if not grads or (needed is not None and nid not in needed):
+            self._visit(nodes[nid], needed)
+            if waiting is not None:
+                self._leaf_edges_done(nodes[nid], waiting)
+
+    def _visit(self, node: Node, needed: set | None) -> None:
+        nid = node.id
+        grads = self._incoming(node)
+        if not grads or (needed is not None and nid not in needed):
+            return
+        if node.pre_hooks:  # fully_shard gathers the weights the local graphs saved
+            for hook in node.pre_hooks:
+                hook()
+        if node.backward is not None:  # a composite's backward plan (ring attention)
+            in_grads = node.backward(node, grads, self.retain)
+        elif node.keeps_graph:
+            in_grads = _op_backward(node, grads, self.retain)
+        else:  # FSDP's reduce_scatter runs here when the input is a parameter
+            with comm_debug.gradient_of(_leaf_name(node)):
+                in_grads = _redistribute_backward(node, grads)
+        for edge, spec, g in zip(node.edges, node.in_specs, in_grads):
+            if edge.leaf is not None:
+                self.leaves.setdefault(id(edge.leaf), (edge.leaf, spec, []))[2].append(g)
+            else:
+                self.pending.setdefault((edge.node.id, edge.index), []).append(g)
+        if not self.retain and node.keeps_graph:
+            node.release()
+
+    def _leaf_edges_done(self, node: Node, waiting: dict) -> None:
+        """A registered leaf whose last edge this node was has its final gradient: it joins
+        its open bucket, which is reduced once it holds ``cap`` bytes (DDP's overlap: the
+        reduction is issued among the rest of the backward)."""
+        for edge in node.edges:
+            leaf = edge.leaf
+            if leaf is None or id(leaf) not in waiting:
                 continue
-            if node.pre_hooks:  # fully_shard gathers the weights the local graphs saved
-                for hook in node.pre_hooks:
-                    hook()
-            if node.backward is not None:  # a composite's backward plan (ring attention)
-                in_grads = node.backward(node, grads, self.retain)
-            elif node.keeps_graph:
-                in_grads = _op_backward(node, grads, self.retain)
-            else:  # FSDP's reduce_scatter runs here when the input is a parameter
-                with comm_debug.gradient_of(_leaf_name(node)):
-                    in_grads = _redistribute_backward(node, grads)
-            for edge, spec, g in zip(node.edges, node.in_specs, in_grads):
-                if edge.leaf is not None:
-                    self.leaves.setdefault(id(edge.leaf), (edge.leaf, spec, []))[2].append(g)
-                else:
-                    self.pending.setdefault((edge.node.id, edge.index), []).append(g)
-            if not self.retain and node.keeps_graph:
-                node.release()
+            waiting[id(leaf)] -= 1
+            if waiting[id(leaf)] == 0:
+                item = self._bucket_item(leaf)
+                if item is not None:
+                    items, size = self.open_buckets.get(item[1], ([], 0))
+                    items.append(item)
+                    size += buckets.local_bytes(item[2])
+                    if size >= item[1][-1]:
+                        self.bucketed.update(buckets.reduce_bucket(items, item[1]))
+                        self.open_buckets.pop(item[1], None)
+                    else:
+                        self.open_buckets[item[1]] = (items, size)
+
+    def _bucket_item(self, meta):
+        """``(meta, key, summed gradient, name)`` when this leaf's gradient is reduced in a
+        bucket, else None."""
+        entry = self.leaves.get(id(meta))
+        if entry is None or id(meta) in self.bucketed or buckets.cap_of(meta) is None or \
+                self.targets is not None or is_deferred(meta):
+            return None
+        _, spec, grads = entry
+        if meta.grad is not None and meta.grad.placements != spec.placements:
+            grads = grads + [meta.grad]  # left unreduced by no_sync: reduced with the rest
+        key = buckets.bucket_key(meta, spec.placements, grads)
+        return None if key is None else (meta, key, combine(grads, None), meta.name)
 
     def _incoming(self, node: Node) -> dict:
         """``{output index: gradient}`` summed, hooked, retained, captured."""
@@ -223,6 +266,7 @@ class _Walk:
         and counted here), hooked, then captured and/or accumulated into ``.grad``. Inside
         ``Module.no_sync()`` a parameter's gradient stays as it arrives (Partial): the first
         backward outside adds it to the new one and reduces once."""
+        bucketed = self._bucketed(accumulate_into)
         for meta, spec, grads in self.leaves.values():
             capture = self.targets is not None and meta in self.targets
             accumulate = accumulate_into is None or meta in accumulate_into
@@ -234,7 +278,9 @@ class _Walk:
                     old.placements != spec.placements:  # left Partial by no_sync: reduce now
                 grads, meta.grad = grads + [old], None
             with comm_debug.gradient_of(meta.name):
-                if deferred and len({g.placements for g in grads}) == 1:
+                if id(meta) in bucketed:  # reduced with others in one collective
+                    g = bucketed[id(meta)]
+                elif deferred and len({g.placements for g in grads}) == 1:
                     g = combine(grads, None)
                 else:
                     g = combine(grads, spec.placements)
@@ -244,6 +290,23 @@ class _Walk:
             if accumulate:
                 with comm_debug.gradient_of(meta.name):
                     _accumulate(meta, g, id(g) in self.user_grads, deferred)
+
+
+    def _bucketed(self, accumulate_into) -> dict:
+        """Every leaf whose reduction a bucket shares (registered parameters whose gradient
+        only needs its Partial dims reduced), reduced: ``{id(meta): gradient}``. Buckets
+        still open are reduced now, then the leaves not seen ready during the walk."""
+        if accumulate_into is not None:  # backward(inputs=...): each leaf on its own
+            return {}
+        out = dict(self.bucketed)
+        for key, (items, _) in self.open_buckets.items():
+            out.update(buckets.reduce_bucket(items, key))
+        self.open_buckets.clear()
+        rest = [item for item in (self._bucket_item(meta) for meta, _, _ in
+                                  self.leaves.values() if id(meta) not in out)
+                if item is not None]
+        out.update(buckets.reduce_in_buckets(rest))
+        return out
 
 
 _deferred: list = []  # sets of AutogradMeta ids whose reduction Module.no_sync() defers
@@ -262,6 +325,16 @@ def deferring(metas):
 
 def is_deferred(meta) -> bool:
     return any(id(meta) in ids for ids in _deferred)
+
+
+def _leaf_edges(nodes: dict) -> dict:
+    """``{id(leaf): edges into it}`` for the leaves that reduce in buckets."""
+    out: dict = {}
+    for node in nodes.values():
+        for edge in node.edges:
+            if edge.leaf is not None and buckets.cap_of(edge.leaf) is not None:
+                out[id(edge.leaf)] = out.get(id(edge.leaf), 0) + 1
+    return out
 
 
 def combine(grads: list, target):
@@ -375,7 +448,7 @@ def run_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
                 raise RuntimeError("backward(inputs=...) takes leaves only in dtorch")
         targets = {t._ag for t in inputs}
     nodes, needed = _start(roots, targets)
-    walk = _Walk(roots, bool(retain_graph), None)
+    walk = _Walk(roots, bool(retain_graph), None, bucket_early=targets is None)
     with torch.no_grad(), comm_debug.phase("backward"):
         walk.seed()
         walk.run(nodes, needed)

@@ -8,12 +8,14 @@ controller).
 
 from .api import loss_parallel, parallelize_module
 from .base import ParallelStyle
+from .ddp import DistributedDataParallel
 from .distribute_module import distribute_module
 from .fully_shard import fully_shard
 from .meta_init import MetaInitError
 from .prepare import PrepareModuleInput, PrepareModuleOutput
 from .styles import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-__all__ = ["parallelize_module", "distribute_module", "fully_shard", "loss_parallel", "ParallelStyle",
+__all__ = ["parallelize_module", "distribute_module", "fully_shard", "DistributedDataParallel",
+           "loss_parallel", "ParallelStyle",
            "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
            "PrepareModuleOutput", "MetaInitError"]

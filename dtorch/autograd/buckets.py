@@ -1,0 +1,125 @@
+"""Bucketed gradient reduction (DDP's buckets): the Partial gradients of parameters that
+reduce the same way are packed into flat buffers of about ``cap`` bytes, and each buffer is
+reduced with one collective instead of one per parameter.
+
+A parameter joins when it is registered (``register``: what ``DistributedDataParallel``
+does) and its gradient only needs its Partial mesh dims reduced to Replicate, with the same
+local shape on every rank (so each rank's flat buffer has the same length). Buckets are cut
+in the order gradients become final in the walk (the reverse of the forward: the last
+layers' first), per (mesh, placements, dtype). A bucket is three instructions: a pack on the
+ranks, one planned and counted redistribute of the flat buffer (an all_reduce per Partial
+mesh dim), and an unpack into each gradient (views of the reduced buffer). CommDebugMode
+names the bucket's parameters. Example::
+
+    register(model.parameters(), cap_bytes=25 * 2**20)
+    loss.backward()          # one all_reduce per 25 MB of gradients, not one per parameter
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+
+from .. import comm_debug, layout
+from ..placement import Partial, Replicate, Shard
+
+_CAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # AutogradMeta -> bytes
+
+
+def register(params, cap_bytes: int) -> None:
+    """Reduce these parameters' gradients in buckets of about ``cap_bytes``."""
+    for p in params:
+        if p._ag is not None:
+            _CAPS[p._ag] = cap_bytes
+
+
+def cap_of(meta) -> int | None:
+    return _CAPS.get(meta)
+
+
+def bucket_key(meta, target, grads) -> tuple | None:
+    """What a leaf's gradient shares with those it may be packed with, or None when it
+    reduces alone (not registered, mixed placements, anything but Partial -> Replicate, or
+    local shapes that differ between ranks)."""
+    cap = _CAPS.get(meta)
+    if cap is None or len({g.placements for g in grads}) != 1:
+        return None
+    g = grads[0]
+    src, target = g.placements, tuple(target)
+    if src == target or not all(a == b or (isinstance(a, Partial) and b == Replicate())
+                                for a, b in zip(src, target)):
+        return None
+    if len(set(layout.local_shapes(g.shape, g.device_mesh, src).values())) != 1:
+        return None
+    return (g.device_mesh, src, target, g.dtype, cap)
+
+
+def reduce_in_buckets(ready: list) -> dict:
+    """``ready``: ``(meta, key, summed gradient, name)`` in the order they became final.
+    Returns ``{id(meta): reduced gradient}``; one pack, one redistribute and one unpack per
+    bucket."""
+    groups: dict = {}
+    for item in ready:
+        groups.setdefault(item[1], []).append(item)
+    out = {}
+    for key, items in groups.items():
+        cap = key[-1]
+        bucket, size = [], 0
+        for item in items:
+            nbytes = local_bytes(item[2])
+            if bucket and size + nbytes > cap:
+                out.update(reduce_bucket(bucket, key))
+                bucket, size = [], 0
+            bucket.append(item)
+            size += nbytes
+        if bucket:
+            out.update(reduce_bucket(bucket, key))
+    return out
+
+
+def local_bytes(g) -> int:
+    """The bytes of one rank's shard of ``g`` (the same on every rank of a bucket)."""
+    shape = layout.local_shape(g.shape, g.device_mesh, g.placements,
+                               g.device_mesh.get_coordinate(g.device_mesh.ranks[0]))
+    return math.prod(shape) * g.dtype.itemsize
+
+
+def reduce_bucket(items: list, key: tuple) -> dict:
+    from ..local_call import run_local
+    from ..tensor import make_spec
+    mesh, src, target, dtype, _ = key
+    grads = [item[2] for item in items]
+    coord = mesh.get_coordinate(mesh.ranks[0])
+    shapes = [layout.local_shape(g.shape, mesh, src, coord) for g in grads]
+    length = sum(math.prod(s) for s in shapes)
+    sharded = math.prod(n for p, n in zip(src, mesh.shape) if p.is_shard())
+    flat_src = tuple(Shard(0) if p.is_shard() else p for p in src)
+    flat, = run_local(pack_flat, (grads,), {}, [make_spec((length * sharded,), dtype, mesh,
+                                                          flat_src)])
+    names = [item[3] or "?" for item in items]
+    with comm_debug.gradient_of(f"bucket of {len(items)}: " + ", ".join(names)):
+        flat = flat._move(mesh, tuple(Shard(0) if p.is_shard() else p for p in target))
+    outs = run_local(unpack_flat, (flat,), {"shapes": shapes},
+                     [make_spec(g.shape, dtype, mesh, target) for g in grads])
+    return {id(item[0]): g for item, g in zip(items, outs)}
+
+
+def pack_flat(grads) -> torch.Tensor:
+    """Rank side: this rank's gradients, flattened one after another.
+
+    >>> pack_flat([torch.ones(2, 2), torch.zeros(3)]).tolist()
+    [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    """
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def unpack_flat(flat: torch.Tensor, shapes) -> tuple:
+    """Rank side: the reduced gradients as views of the reduced buffer, in order.
+
+    >>> [t.shape for t in unpack_flat(torch.arange(7.), [(2, 2), (3,)])]
+    [torch.Size([2, 2]), torch.Size([3])]
+    """
+    sizes = [math.prod(s) for s in shapes]
+    return tuple(piece.view(s) for piece, s in zip(flat.split(sizes), shapes))

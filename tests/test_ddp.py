@@ -1,0 +1,151 @@
+"""DistributedDataParallel and bucketed gradient reduction on the real cluster: gradients
+and an optimizer step equal torch's on one device, the bucket counts of a 20-parameter
+model, buckets issued during the backward (before collectives of earlier layers), no_sync,
+DDP over the dp dim of a tensor-parallel model, refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import ColwiseParallel, RowwiseParallel, Shard, init_device_mesh
+from test_ops_support import illegal
+
+
+def _mlp(layers=10, width=16, seed=0):
+    torch.manual_seed(seed)
+    mods = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*mods)
+
+
+def _check_grads(model, ref):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.to_torch(), q.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+LAYER_BYTES = (16 * 16 + 16) * 4
+
+
+@pytest.mark.parametrize("cap_layers, buckets", [(None, 1), (4, 3), (1, 10)])
+def test_a_20_parameter_model_reduces_in_buckets(live, cap_layers, buckets):
+    ref = _mlp()
+    cap = None if cap_layers is None else cap_layers * LAYER_BYTES / 2**20
+    model = dtorch.DistributedDataParallel(copy.deepcopy(ref), device_mesh=init_device_mesh(
+        "cpu", 4), bucket_cap_mb=cap)
+    x = torch.randn(8, 16)
+    with dtorch.CommDebugMode() as mode:
+        model(x).square().mean().backward()
+    assert mode.get_comm_counts() == {"all_reduce": buckets}
+    per_bucket = mode.get_gradient_comm_counts()
+    assert len(per_bucket) == buckets and all(k.startswith("bucket of ") for k in per_bucket)
+    assert sum(int(k.split()[2].rstrip(":")) for k in per_bucket) == 20  # every parameter once
+    ref(x).square().mean().backward()
+    _check_grads(model.module, ref)
+    assert model.module[0].weight.grad.placements == (dtorch.Replicate(),)
+
+
+def test_an_optimizer_step_and_state_dict_are_torch_s(live):
+    ref = _mlp(4)
+    model = dtorch.DistributedDataParallel(copy.deepcopy(ref), device_mesh=init_device_mesh(
+        "cpu", 4))
+    assert list(model.state_dict()) == ["module." + k for k in ref.state_dict()]
+    opt = dtorch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    for step in range(3):
+        x = torch.randn(12, 16, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.to_torch(), q.detach(), atol=1e-6, rtol=1e-5)
+
+
+class _AllToAllAndBack(torch.nn.Module):
+    """Moves the activation to Shard(1) and back: two all_to_alls in forward and in backward,
+    between the layers before it and those after."""
+
+    def forward(self, h):
+        if not isinstance(h, dtorch.DTensor):
+            return h
+        return h.redistribute(placements=[Shard(1)]).redistribute(placements=[Shard(0)])
+
+
+def test_a_full_bucket_is_reduced_during_the_backward(live):
+    """With a bucket of two layers, the last two layers' bucket is reduced before the
+    backward reaches the all_to_alls in the middle, not after the whole backward."""
+    torch.manual_seed(1)
+    lin = [torch.nn.Linear(16, 16) for _ in range(4)]
+    ref = torch.nn.Sequential(lin[0], torch.nn.Tanh(), lin[1], _AllToAllAndBack(), lin[2],
+                              torch.nn.Tanh(), lin[3])
+    model = dtorch.DistributedDataParallel(copy.deepcopy(ref), device_mesh=init_device_mesh(
+        "cpu", 4), bucket_cap_mb=2 * LAYER_BYTES / 2**20)
+    x = torch.randn(8, 16)
+    with dtorch.CommDebugMode() as mode:
+        model(x).square().mean().backward()
+    backward = [(r.kind, r.gradient_of) for r in mode.get_comm_records() if r.phase == "backward"]
+    assert backward == [("all_reduce", "bucket of 4: 6.weight, 6.bias, 4.weight, 4.bias"),
+                        ("all_to_all", None), ("all_to_all", None),
+                        ("all_reduce", "bucket of 4: 2.weight, 2.bias, 0.weight, 0.bias")]
+    ref(x).square().mean().backward()
+    _check_grads(model.module, ref)
+
+
+def test_no_sync_accumulates_unreduced_then_reduces_in_buckets(live):
+    ref = _mlp(3)
+    model = dtorch.DistributedDataParallel(copy.deepcopy(ref), device_mesh=init_device_mesh(
+        "cpu", 4))
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with dtorch.CommDebugMode() as mode:
+        with model.no_sync():
+            for x in xs[:2]:
+                model(x).square().mean().backward()
+        assert mode.get_comm_counts() == {}
+        assert model.module[0].weight.grad.placements == (dtorch.Partial(),)
+        model(xs[2]).square().mean().backward()
+    assert mode.get_comm_counts() == {"all_reduce": 1}
+    for x in xs:
+        ref(x).square().mean().backward()
+    _check_grads(model.module, ref)
+
+
+def test_ddp_over_the_dp_dim_of_a_tensor_parallel_model(live):
+    """dp2 x tp2: parallelize_module on tp, DDP on mesh['dp']: the dp reductions share
+    buckets by placements (fewer all_reduces than parameters); gradients are torch's."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(2)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8),
+                              torch.nn.ReLU(), torch.nn.Linear(8, 12), torch.nn.ReLU(),
+                              torch.nn.Linear(12, 8))
+    tp = dtorch.parallelize_module(copy.deepcopy(ref), mesh, {
+        "0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(),
+        "6": RowwiseParallel()})
+    model = dtorch.DistributedDataParallel(tp, device_mesh=mesh["dp"])
+    x = torch.randn(6, 8)
+    with dtorch.CommDebugMode() as mode:
+        model(x).square().mean().backward()
+    reductions = sum(mode.get_gradient_comm_counts()[k].get("all_reduce", 0)
+                     for k in mode.get_gradient_comm_counts())
+    assert 1 <= reductions < 8
+    ref(x).square().mean().backward()
+    _check_grads(model.module, ref)
+
+
+def test_what_ddp_refuses(live):
+    mesh = init_device_mesh("cpu", 4)
+    illegal(lambda: dtorch.DistributedDataParallel(_mlp(1), process_group=object()),
+            "device_mesh=", ValueError)
+    illegal(lambda: dtorch.DistributedDataParallel(_mlp(1), device_ids=[0]), "device", ValueError)
+    illegal(lambda: dtorch.DistributedDataParallel(_mlp(1), device_mesh=mesh, bucket_cap_mb=0),
+            "positive", ValueError)
+    m22 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    illegal(lambda: dtorch.DistributedDataParallel(_mlp(1), device_mesh=m22), r"mesh\['",
+            ValueError)
+    sharded = dtorch.parallelize_module(_mlp(1), mesh, {"0": ColwiseParallel()})
+    with pytest.raises(ValueError, match="DDP replicates parameters"):
+        dtorch.DistributedDataParallel(sharded, device_mesh=mesh)
