@@ -96,13 +96,13 @@ def pipeline_backward(stages, micro_batches, loss_fn, schedule: str = "1F1B") ->
     Between stages the activation is cut (``detach().requires_grad_()``) and its gradient
     handed back (``backward(gradient=)``). Each loss is divided by ``len(micro_batches)``,
     so ``.grad`` accumulates the gradient of the mean loss (one batch's, for means over
-    equal micro-batches). Returns the losses (unscaled DTensors). Example::
+    equal micro-batches). Returns the losses (unscaled, detached DTensors); nothing of a
+    micro-batch's graph outlives its backward. Example::
 
         stages = [lambda mb: first_half(mb[0]), lambda h: second_half(h.redistribute(...))]
         losses = dtorch.pipeline_backward(stages, batches, lambda out, mb: F.mse_loss(out, mb[1]))
         opt.step(); opt.zero_grad()
     """
-    from .autograd import backward
     from .tensor import DTensor
     stages, micro_batches = list(stages), list(micro_batches)
     n, last = len(micro_batches), len(stages) - 1
@@ -115,26 +115,38 @@ def pipeline_backward(stages, micro_batches, loss_fn, schedule: str = "1F1B") ->
             inputs[(k, s)] = x
             out = stages[s](x)
             if s == last:
-                out = losses[k] = _checked_loss(loss_fn(out, micro_batches[k]), k, DTensor)
+                out = _checked_loss(loss_fn(out, micro_batches[k]), k, DTensor)
+                losses[k] = out.detach()
             outputs[(k, s)] = out
         else:
             out = outputs.pop((k, s))
             if s == last:
                 (out / n).backward()
             else:
-                backward([out], [inputs.pop((k, s + 1)).grad])
+                _hand_back(out, inputs.pop((k, s + 1)))
             if s == 0:
                 inputs.pop((k, 0))
     return [losses[k] for k in range(n)]
 
 
 def _cut(h, k: int, s: int):
+    """Stage ``s``'s input: the previous stage's output as a leaf of its own graph (an
+    output that does not require grad, a frozen stage's, goes on as it is)."""
     from .tensor import DTensor
-    if not isinstance(h, DTensor) or not h.requires_grad:
-        raise TypeError(f"stage {s - 1} gave micro-batch {k} a {type(h).__name__}"
-                        f"{'' if not isinstance(h, DTensor) else ' that does not require grad'}"
-                        f"; a stage must return the DTensor activation the next one takes")
-    return h.detach().requires_grad_()
+    if not isinstance(h, DTensor):
+        raise TypeError(f"stage {s - 1} gave micro-batch {k} a {type(h).__name__}; a stage "
+                        f"must return the DTensor activation the next one takes")
+    return h.detach().requires_grad_() if h.requires_grad else h
+
+
+def _hand_back(out, cut) -> None:
+    """Stage ``s``'s backward from the gradient its output's cut received (none when the
+    next stage did not use it differentiably); the gradient is dropped once handed on."""
+    from .autograd import backward
+    if not out.requires_grad or cut.grad is None:
+        return
+    g, cut.grad = cut.grad, None
+    backward([out], [g])
 
 
 def _checked_loss(loss, k: int, DTensor):

@@ -13,6 +13,8 @@ names the bucket's parameters. Example::
 
     register(model.parameters(), cap_bytes=25 * 2**20)
     loss.backward()          # one all_reduce per 25 MB of gradients, not one per parameter
+
+The engine feeds a ``Bucketer`` each gradient as it becomes final and flushes it at the end.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def register(params, cap_bytes: int) -> None:
 
 
 def cap_of(meta) -> int | None:
+    """The bucket size a parameter's gradient reduces in (None: on its own)."""
     return _CAPS.get(meta)
 
 
@@ -56,27 +59,42 @@ def bucket_key(meta, target, grads) -> tuple | None:
     return (g.device_mesh, src, target, g.dtype, cap)
 
 
-def reduce_in_buckets(ready: list) -> dict:
-    """``ready``: ``(meta, key, summed gradient, name)`` in the order they became final.
-    Returns ``{id(meta): reduced gradient}``; one pack, one redistribute and one unpack per
-    bucket."""
-    groups: dict = {}
-    for item in ready:
-        groups.setdefault(item[1], []).append(item)
-    out = {}
-    for key, items in groups.items():
-        cap = key[-1]
-        bucket, size = [], 0
-        for item in items:
-            nbytes = local_bytes(item[2])
-            if bucket and size + nbytes > cap:
-                out.update(reduce_bucket(bucket, key))
-                bucket, size = [], 0
-            bucket.append(item)
-            size += nbytes
-        if bucket:
-            out.update(reduce_bucket(bucket, key))
-    return out
+def any_registered() -> bool:
+    return len(_CAPS) > 0
+
+
+class Bucketer:
+    """Open buckets per key; a bucket is reduced as soon as it holds ``cap`` bytes (the key's
+    last field), the rest by ``flush``. Items: ``(meta, key, summed gradient, name)``.
+
+    >>> Bucketer().flush()
+    {}
+    """
+
+    def __init__(self):
+        self.open: dict = {}  # key -> ([items], bytes)
+        self.reduced: dict = {}  # id(meta) -> reduced gradient
+
+    def holds(self, meta) -> bool:
+        return id(meta) in self.reduced or any(
+            item[0] is meta for items, _ in self.open.values() for item in items)
+
+    def add(self, item) -> None:
+        key = item[1]
+        items, size = self.open.pop(key, ([], 0))
+        items.append(item)
+        size += local_bytes(item[2])
+        if size >= key[-1]:
+            self.reduced.update(reduce_bucket(items, key))
+        else:
+            self.open[key] = (items, size)
+
+    def flush(self) -> dict:
+        """Reduce every open bucket; every reduced gradient so far, by ``id(meta)``."""
+        for key, (items, _) in self.open.items():
+            self.reduced.update(reduce_bucket(items, key))
+        self.open.clear()
+        return self.reduced
 
 
 def local_bytes(g) -> int:
@@ -87,6 +105,8 @@ def local_bytes(g) -> int:
 
 
 def reduce_bucket(items: list, key: tuple) -> dict:
+    """One bucket: pack on the ranks, one planned redistribute of the flat buffer, unpack;
+    ``{id(meta): reduced gradient}``."""
     from ..local_call import run_local
     from ..tensor import make_spec
     mesh, src, target, dtype, _ = key
@@ -121,5 +141,7 @@ def unpack_flat(flat: torch.Tensor, shapes) -> tuple:
     >>> [t.shape for t in unpack_flat(torch.arange(7.), [(2, 2), (3,)])]
     [torch.Size([2, 2]), torch.Size([3])]
     """
-    sizes = [math.prod(s) for s in shapes]
-    return tuple(piece.view(s) for piece, s in zip(flat.split(sizes), shapes))
+    from ..runtime.collectives import _owning
+    sizes = [math.prod(s) for s in shapes]  # tensors of their own over the buffer: once all
+    return tuple(_owning(piece.view(s))       # are freed, the rank's pool takes it back
+                 for piece, s in zip(flat.split(sizes), shapes))

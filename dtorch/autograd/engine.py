@@ -148,8 +148,7 @@ class _Walk:
         self.captured: dict = {}
         self.user_grads: set = set()
         self.bucket_early = bucket_early  # reduce a full bucket as soon as it is ready
-        self.open_buckets: dict = {}  # bucket key -> [(meta, key, gradient, name)], bytes
-        self.bucketed: dict = {}  # id(meta) -> its gradient, reduced with a bucket
+        self.buckets = buckets.Bucketer()
 
     def seed(self) -> None:
         for t, g in self.roots:
@@ -214,23 +213,15 @@ class _Walk:
             if leaf is None or id(leaf) not in waiting:
                 continue
             waiting[id(leaf)] -= 1
-            if waiting[id(leaf)] == 0:
-                item = self._bucket_item(leaf)
-                if item is not None:
-                    items, size = self.open_buckets.get(item[1], ([], 0))
-                    items.append(item)
-                    size += buckets.local_bytes(item[2])
-                    if size >= item[1][-1]:
-                        self.bucketed.update(buckets.reduce_bucket(items, item[1]))
-                        self.open_buckets.pop(item[1], None)
-                    else:
-                        self.open_buckets[item[1]] = (items, size)
+            item = self._bucket_item(leaf) if waiting[id(leaf)] == 0 else None
+            if item is not None:
+                self.buckets.add(item)
 
     def _bucket_item(self, meta):
         """``(meta, key, summed gradient, name)`` when this leaf's gradient is reduced in a
         bucket, else None."""
         entry = self.leaves.get(id(meta))
-        if entry is None or id(meta) in self.bucketed or buckets.cap_of(meta) is None or \
+        if entry is None or buckets.cap_of(meta) is None or self.buckets.holds(meta) or \
                 self.targets is not None or is_deferred(meta):
             return None
         _, spec, grads = entry
@@ -298,15 +289,11 @@ class _Walk:
         still open are reduced now, then the leaves not seen ready during the walk."""
         if accumulate_into is not None:  # backward(inputs=...): each leaf on its own
             return {}
-        out = dict(self.bucketed)
-        for key, (items, _) in self.open_buckets.items():
-            out.update(buckets.reduce_bucket(items, key))
-        self.open_buckets.clear()
-        rest = [item for item in (self._bucket_item(meta) for meta, _, _ in
-                                  self.leaves.values() if id(meta) not in out)
-                if item is not None]
-        out.update(buckets.reduce_in_buckets(rest))
-        return out
+        for meta, _, _ in self.leaves.values():  # those no edge made final (roots), in order
+            item = self._bucket_item(meta)
+            if item is not None:
+                self.buckets.add(item)
+        return self.buckets.flush()
 
 
 _deferred: list = []  # sets of AutogradMeta ids whose reduction Module.no_sync() defers
@@ -327,8 +314,11 @@ def is_deferred(meta) -> bool:
     return any(id(meta) in ids for ids in _deferred)
 
 
-def _leaf_edges(nodes: dict) -> dict:
-    """``{id(leaf): edges into it}`` for the leaves that reduce in buckets."""
+def _leaf_edges(nodes: dict) -> dict | None:
+    """``{id(leaf): edges into it}`` for the leaves that reduce in buckets (None: none
+    registered, nothing to count)."""
+    if not buckets.any_registered():
+        return None
     out: dict = {}
     for node in nodes.values():
         for edge in node.edges:

@@ -71,6 +71,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         """The wrapped module's forward, each torch tensor input split along ``dim``."""
+        from ..autograd import buckets  # parameters unfrozen or assigned since: theirs too
+        buckets.register(self.module.parameters(), int(self.bucket_cap_mb * 2**20))
         args, kwargs = pytree.tree_map(self._split, (args, kwargs),
                                        is_leaf=lambda x: isinstance(x, DTensor))
         return self.module(*args, **kwargs)
