@@ -20,12 +20,16 @@ from .tensor import DTensor
 def run_local(fn, args: tuple, kwargs: dict, out_specs, mesh=None) -> list:
     """Issue ``fn(*args, **kwargs)`` on every rank of ``mesh`` (default: the first DTensor's)
     with each DTensor replaced by its local shard; the outputs as DTensors of ``out_specs``."""
+    from .runtime import session
     leaves = pytree.tree_leaves((args, kwargs), is_leaf=lambda x: isinstance(x, DTensor))
     tensors = [t for t in leaves if isinstance(t, DTensor)]
-    c = tensors[0]._live()
+    if not tensors and mesh is None:
+        raise TypeError("run_local without a DTensor argument needs mesh=")
+    c = tensors[0]._live() if tensors else session.get_controller()
     for t in tensors:
         t._live()
     mesh = mesh if mesh is not None else tensors[0]._spec.mesh
+    c.ensure_mesh(mesh)
     cargs, ckwargs = pytree.tree_map(lambda x: m.Ref(x._tid) if isinstance(x, DTensor) else x,
                                      (tuple(args), dict(kwargs)),
                                      is_leaf=lambda x: isinstance(x, DTensor))

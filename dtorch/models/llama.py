@@ -43,6 +43,7 @@ from ..tensor import DTensor
 from .. import nn
 from ..graph import mesh_or_default
 from .llama_config import llama_settings
+from . import pretrained
 from .outputs import CausalLMOutput
 from .rope import cos_sin, inverse_frequencies
 
@@ -174,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         s = llama_settings(config)
         self.config = s
+        self.config_source = config  # as given: what save_pretrained writes
         self.device_mesh = mesh_or_default(device_mesh)
         self.stages = self.device_mesh.unbind("pp")
         self.stage_of = assign_layers_to_stages(s.num_hidden_layers, len(self.stages))
@@ -188,6 +190,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.ColumnParallelLinear(s.hidden_size, s.vocab_size, False)
         self._inv_freq, self._rope_scaling = inverse_frequencies(s)
         self._rope_cache: dict = {}
+
+    from_pretrained = classmethod(pretrained.from_pretrained)
+    save_pretrained = pretrained.save_pretrained
 
     def _rope(self, stage, start: int, length: int, sequence_sharded: bool):
         """cos/sin ``[1, 1, L, head_dim]`` on ``stage`` (Replicate: sliced locally under cp)."""
