@@ -99,7 +99,7 @@ def test_notebook_runs_clean(path, dtorch_kernelspec):
     # the kernel started the cluster lazily, with its progress display, in one cell
     ready = [o for c in code for o in c.get("outputs", [])
              if "ranks ready in" in str(o.get("data", {}).get("text/plain", ""))]
-    assert len(ready) == 1
+    assert len(ready) == (2 if path.name.startswith("07_") else 1)  # 07 restarts once
     # each notebook moves data somewhere, and the kernel said so under that cell
     assert any(summaries(c) for c in code)
     if path.name.startswith("02_"):
