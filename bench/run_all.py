@@ -26,9 +26,10 @@
 - ``pipeline.py``: 2 pipeline stages (one rank each), 8 micro-batches vs the same work as one
   batch (speedup >= 1.6x, i.e. a ratio <= 0.625), and what each stage spent waiting; the
   same for a training step through ``dtorch.pipeline_backward`` (1F1B, speedup >= 1.5x)
-- ``train_step_ddp.py``: one data-parallel training step (forward, backward, AdamW) of an
-  MLP 512-2048-512, ``dtorch.DistributedDataParallel`` vs PyTorch's DDP on 4 plain processes
-  (<= 1.0x), and the same step with one all_reduce per gradient instead of buckets
+- ``train_step.py``: one training step (forward, backward, AdamW) of an MLP 512-2048-512
+  (and 2048-8192-2048 in full mode): ``DistributedDataParallel`` vs PyTorch's DDP, the TP MLP
+  vs its ``parallelize_module``, ``fully_shard`` vs FSDP2's, on 4 plain processes (<= 1.0x),
+  and the DDP step with one all_reduce per gradient instead of buckets
 
 Each runs in its own child process (one process tree; every cluster and process group is torn
 down before the next starts, and Dask's worker environment does not leak into the next one).
@@ -57,7 +58,7 @@ from _common import Row, command, machine, markdown, now, table  # noqa: E402
 BENCHES = ("redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
            "startup.py", "op_overhead.py", "tp_mlp_vs_dtensor.py", "pipeline.py",
            "llama_vs_dtensor.py", "llama_cp.py", "controller_scaling.py",
-           "redistribute_multinode.py", "optim_step.py", "train_step_ddp.py")
+           "redistribute_multinode.py", "optim_step.py", "train_step.py")
 
 
 def main() -> int:
