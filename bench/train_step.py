@@ -19,8 +19,8 @@ foreach=True)``, ``zero_grad`` then forward, backward and step.
 
 The reference is 4 spawned plain torch processes with dtorch's rank settings, ``STEPS`` steps
 between two barriers (the slowest rank counts); dtorch issues ``STEPS`` steps, then
-``synchronize()``. After the warm-up both sides' parameters are compared (the same values).
-Both sides take turns. Target: dtorch at most 1.0x (PyTorch measured here for the small MLP:
+``synchronize()``. The gradients of a first backward and the parameters after the warm-up
+are compared between the two sides (the same values). Both sides take turns. Target: dtorch at most 1.0x (PyTorch measured here for the small MLP:
 DDP 64 ms, fully_shard 108 ms, TP 27 ms per step).
 
     .venv/bin/python bench/train_step.py [--quick]
@@ -93,6 +93,16 @@ def _full(p):
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
 
+def first_gradients(model, x, whole) -> list:
+    """The gradients of one forward and backward (then cleared): compared between the two
+    sides, since Adam's update hides a wrong gradient scale."""
+    model(x).square().mean().backward()
+    grads = [whole(p.grad) for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return grads
+
+
 def _rank_main(rank: int, commands, results) -> None:
     import torch.distributed as dist
     setups = {}
@@ -109,9 +119,10 @@ def _rank_main(rank: int, commands, results) -> None:
                 model(x).square().mean().backward()
                 opt.step()
 
+            grads = first_gradients(model, x, _full)
             for _ in range(WARMUP):
                 step()
-            setups[key] = step, [_full(p) for p in model.parameters()]
+            setups[key] = step, (grads, [_full(p) for p in model.parameters()])
         step, after_warmup = setups[key]
         if n == 0:  # the parameters after the warm-up, for the comparison
             if rank == 0:
@@ -161,7 +172,7 @@ def dtorch_setup(mode: str, d: int, hidden: int, mesh, per_param: bool = False):
         model(x).square().mean().backward()
         opt.step()
 
-    return model, step
+    return model, x, step
 
 
 def measure(quick: bool, repeats: int) -> dict:
@@ -178,11 +189,12 @@ def measure(quick: bool, repeats: int) -> dict:
                 want = ref.after_warmup(mode, d, hidden)
                 variants = [(mode, False)] + ([("dp_per_param", True)] if mode == "dp" else [])
                 for name, per_param in variants:
-                    model, step = dtorch_setup(mode, d, hidden, mesh, per_param)
+                    model, x, step = dtorch_setup(mode, d, hidden, mesh, per_param)
+                    grads = first_gradients(model, x, lambda g: g.to_torch())
                     for _ in range(WARMUP):
                         step()
-                    for p, w in zip(model.parameters(), want):
-                        got = p.to_torch()
+                    params = [p.to_torch() for p in model.parameters()]
+                    for got, w in zip(grads + params, want[0] + want[1], strict=True):
                         assert torch.allclose(got, w, atol=1e-5), (name, (got - w).abs().max())
                     with dtorch.CommDebugMode() as comm:
                         step()

@@ -98,3 +98,25 @@ def test_what_from_pretrained_refuses(live, hf_dir, tmp_path):
     with pytest.raises(ValueError, match="config does not match the weights"):
         LlamaForCausalLM.from_pretrained(path, device_mesh=mesh, intermediate_size=4096)
     assert c.issued - before == init_only  # the model's own init; no read was sent
+
+
+def test_a_tied_checkpoint_loads_and_saves_tied_and_a_trained_head_untied(live, tmp_path):
+    tied = dict(CONFIG, intermediate_size=64, tie_word_embeddings=True)
+    torch.manual_seed(1)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tied)).eval()
+    hf.save_pretrained(tmp_path / "tied")
+    mesh = init_device_mesh("cpu", 4, mesh_dim_names=("tp",))
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "tied", device_mesh=mesh)
+    tokens = torch.randint(0, CONFIG["vocab_size"], (2, 9))
+    torch.testing.assert_close(model(tokens).logits.to_torch(), _logits(hf, tokens),
+                               atol=1e-4, rtol=1e-4)
+    model.save_pretrained(tmp_path / "same")  # the head still equals the embedding
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "same").eval()
+    assert back.config.tie_word_embeddings
+    torch.testing.assert_close(_logits(back, tokens), _logits(hf, tokens), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # as if trained: dtorch's head is a parameter of its own
+        model.lm_head.weight.mul_(2)
+    model.save_pretrained(tmp_path / "apart")
+    apart = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "apart").eval()
+    assert not apart.config.tie_word_embeddings
+    torch.testing.assert_close(apart.lm_head.weight, 2 * hf.lm_head.weight)

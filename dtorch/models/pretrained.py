@@ -74,26 +74,29 @@ def from_pretrained(cls, path, device_mesh=None, **config_overrides):
     """``cls(config, device_mesh)`` with every parameter read on the ranks from the
     checkpoint at ``path`` (its ``config.json``, with ``config_overrides``)."""
     from ..local_call import run_local
-    from ..tensor import make_spec
+    from ..tensor import DTensor, make_spec
     path = os.fspath(path)
     files = weight_files(path)
     model = cls(_config(path, config_overrides), device_mesh=device_mesh)
-    targets = _checked_targets(model, files, path)
-    state = {}
-    for key, current in targets.items():
-        spec = make_spec(current.shape, current.dtype, current.device_mesh, current.placements)
-        state[key], = run_local(read_rank_block, (m.Coord(spec.mesh),),
-                                {"file": files[key], "key": key, "shape": spec.shape,
-                                 "mesh": spec.mesh, "placements": spec.placements,
-                                 "dtype": spec.dtype}, [spec], mesh=spec.mesh)
-    model.load_state_dict(state, strict=False)
-    return model
+    for key, current in _checked_targets(model, files, path).items():
+        if isinstance(current, DTensor):
+            spec = make_spec(current.shape, current.dtype, current.device_mesh,
+                             current.placements)
+            value, = run_local(read_rank_block, (m.Coord(spec.mesh),),
+                               {"file": files[key], "key": key, "shape": spec.shape,
+                                "mesh": spec.mesh, "placements": spec.placements,
+                                "dtype": spec.dtype}, [spec], mesh=spec.mesh)
+        else:  # a plain tensor of the model: read here, whole
+            info = read_header(files[key])[key]
+            value = read_block(files[key], info, tuple(slice(0, n) for n in info.shape))
+        model.load_state_dict({key: value}, strict=False)  # one at a time: each initial
+    return model                                          # value is freed as it is replaced
 
 
 def _checked_targets(model, files: dict, path: str) -> dict:
-    """The model's DTensors to read, once every key and shape is checked against the files'
-    headers (nothing is sent before)."""
-    from ..tensor import DTensor
+    """The model's tensors to read, once every key and shape is checked against the files'
+    headers (no weight is read before; the model's own init has been sent)."""
+    import warnings
     shapes = _shapes(files)
     tied = getattr(model.config, "tie_word_embeddings", False)
     targets, missing = {}, []
@@ -102,15 +105,21 @@ def _checked_targets(model, files: dict, path: str) -> dict:
             if not (tied and key == "lm_head.weight"):  # a tied head is the embedding
                 missing.append(key)
             continue
+        if key not in shapes:
+            raise KeyError(f"{path}'s index puts {key} in {os.path.basename(files[key])}, "
+                           f"which does not hold it: the directory is damaged")
         if shapes[key] != tuple(current.shape):
             raise ValueError(f"{key} has shape {shapes[key]} in {path}, the model "
                              f"{tuple(current.shape)}: the config does not match the weights")
-        if isinstance(current, DTensor):
-            targets[key] = current
+        targets[key] = current
     if missing:
         raise KeyError(f"{path} has no {', '.join(missing[:5])}"
                        f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}: "
                        f"the weights are another model's")
+    unused = sorted(set(files) - set(targets) - {"lm_head.weight"})
+    if unused:
+        warnings.warn(f"{path} holds {len(unused)} tensors the model has no place for, e.g. "
+                      f"{unused[:3]} (not read)", stacklevel=3)
     return targets
 
 
@@ -140,16 +149,30 @@ def save_pretrained(model, path) -> None:
     from ..tensor import DTensor
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
+    tensors = {}
+    for key, value in model.state_dict().items():
+        tensor = value.to_torch() if isinstance(value, DTensor) else value
+        tensors[key] = tensor.detach().contiguous()
     config = model.config_source
+    if getattr(model.config, "tie_word_embeddings", False):
+        head, embedding = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+        if head is not None and embedding is not None and torch.equal(head, embedding):
+            del tensors["lm_head.weight"]  # still tied: transformers ties it again
+        else:  # trained apart (dtorch's head is a parameter of its own): written, untied
+            config = _untied(config)
     if hasattr(config, "save_pretrained"):
         config.save_pretrained(path)
     else:
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(dict(config), f, indent=2)
-    tensors = {}
-    for key, value in model.state_dict().items():
-        tensor = value.to_torch() if isinstance(value, DTensor) else value
-        tensors[key] = tensor.detach().contiguous()
-    if getattr(model.config, "tie_word_embeddings", False):
-        tensors.pop("lm_head.weight", None)  # transformers ties it to the embedding again
     save_file(tensors, os.path.join(path, SINGLE), metadata={"format": "pt"})
+
+
+def _untied(config):
+    """A copy of ``config`` with ``tie_word_embeddings=False``."""
+    import copy
+    if isinstance(config, dict):
+        return {**config, "tie_word_embeddings": False}
+    config = copy.deepcopy(config)
+    config.tie_word_embeddings = False
+    return config

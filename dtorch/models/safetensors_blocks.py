@@ -24,6 +24,7 @@ import json
 import math
 import os
 import struct
+import sys
 from typing import NamedTuple
 
 import torch
@@ -42,12 +43,20 @@ class TensorInfo(NamedTuple):
     start: int
 
 
+MAX_HEADER = 100 * 2**20  # safetensors' own limit
+
+
 def read_header(file: str) -> dict[str, TensorInfo]:
     """Every tensor of ``file`` by name (the header only: no tensor data is read)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("safetensors data is little-endian; this host is not")
+    size = os.path.getsize(file)
     fd = os.open(file, os.O_RDONLY)
     try:  # no read-ahead into the tensors' data either
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        _no_read_ahead(fd)
         (n,) = struct.unpack("<Q", _pread(fd, 8, 0))
+        if n > min(MAX_HEADER, size - 8):
+            raise ValueError(f"{file} is not a safetensors file (a header of {n} bytes)")
         header = json.loads(_pread(fd, n, 8))
     finally:
         os.close(fd)
@@ -58,15 +67,27 @@ def read_header(file: str) -> dict[str, TensorInfo]:
         if entry["dtype"] not in DTYPES:
             raise TypeError(f"{file}: tensor {name} has dtype {entry['dtype']}, which dtorch "
                             f"does not read (one of {sorted(DTYPES)})")
-        out[name] = TensorInfo(DTYPES[entry["dtype"]], tuple(entry["shape"]),
-                               8 + n + entry["data_offsets"][0])
+        dtype, shape = DTYPES[entry["dtype"]], tuple(entry["shape"])
+        start, end = entry["data_offsets"]
+        if end - start != math.prod(shape) * dtype.itemsize or 8 + n + end > size:
+            raise ValueError(f"{file}: tensor {name}'s bytes [{start}, {end}) do not hold "
+                             f"its shape {shape} of {entry['dtype']}: the file is damaged")
+        out[name] = TensorInfo(dtype, shape, 8 + n + start)
     return out
+
+
+def _no_read_ahead(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):  # not on macOS: there the kernel reads ahead
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
 
 def read_block(file: str, info: TensorInfo, slices: tuple) -> torch.Tensor:
     """The block ``slices`` (one ``slice(start, stop)`` per dim) of the tensor ``info``
     describes: the block's contiguous runs are read into the result, nothing else."""
     shape = info.shape
+    if len(slices) != len(shape) or any(not 0 <= s.start <= s.stop <= n
+                                        for s, n in zip(slices, shape)):
+        raise IndexError(f"block {slices} is not inside a tensor of shape {shape}")
     lo = [s.start for s in slices]
     size = [s.stop - s.start for s in slices]
     out = torch.empty(size, dtype=info.dtype)
@@ -81,7 +102,7 @@ def read_block(file: str, info: TensorInfo, slices: tuple) -> torch.Tensor:
     buffer = memoryview(out.view(-1).view(torch.uint8).numpy())  # the result's own bytes
     fd = os.open(file, os.O_RDONLY)
     try:  # no read-ahead: the runs are exactly what this rank needs (the neighbours' blocks
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # follow, and are theirs to read)
+        _no_read_ahead(fd)  # follow, and are theirs to read)
         for i, index in enumerate(itertools.product(*(range(lo[d], lo[d] + size[d])
                                                       for d in range(k)))):
             element = sum(j * strides[d] for d, j in enumerate(index)) + \
