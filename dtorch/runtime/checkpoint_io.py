@@ -27,7 +27,7 @@ from ..layout import holds_value
 from . import messages as m
 from .poison import Poison, RemoteFailure
 
-_TORCH_MESHES: dict = {}   # dtorch mesh -> PyTorch DeviceMesh on this rank (no groups)
+_TORCH_MESHES: dict = {}   # (dtorch mesh, world) -> PyTorch DeviceMesh on this rank (no groups)
 _WRITER: list = []         # the one thread that writes save_async checkpoints here
 _ASYNC_GROUP: list = []    # the process group those writes coordinate over
 _lock = threading.Lock()
