@@ -209,7 +209,7 @@ def test_a_partial_value_is_saved_reduced_and_loaded_where_it_is_held(live, tmp_
     with dtorch.CommDebugMode() as mode:
         dtorch.checkpoint.save({"total": total}, tmp_path / "ckpt")
     assert mode.get_comm_counts() == {"all_reduce": 1}  # reduced once, counted
-    target = (x * 0).sum(0, keepdim=True)
+    target = (x + 1).sum(0, keepdim=True)  # every rank holds a part of another value
     assert target.placements == (dtorch.Partial(),)
     with dtorch.CommDebugMode() as mode:
         dtorch.checkpoint.load({"total": target}, tmp_path / "ckpt")
