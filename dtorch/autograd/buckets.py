@@ -74,12 +74,13 @@ class Bucketer:
     def __init__(self):
         self.open: dict = {}  # key -> ([items], bytes)
         self.reduced: dict = {}  # id(meta) -> reduced gradient
+        self._held: set = set()  # id(meta) of every item added
 
     def holds(self, meta) -> bool:
-        return id(meta) in self.reduced or any(
-            item[0] is meta for items, _ in self.open.values() for item in items)
+        return id(meta) in self._held
 
     def add(self, item) -> None:
+        self._held.add(id(item[0]))
         key = item[1]
         items, size = self.open.pop(key, ([], 0))
         items.append(item)
