@@ -17,6 +17,7 @@ jupyter_client = pytest.importorskip("jupyter_client")
 
 from dtorch_kernel import install as kinstall  # noqa: E402
 from dtorch_kernel.summary import summary_text  # noqa: E402
+from dtorch.runtime import testing  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -265,47 +266,63 @@ c.issue(m.Call((), warnings.warn, ("careful up there",), {}, (0, 1, 2, 3)))
     assert "UserWarning: careful up there" in err
 
 
-STILL_SLEEPING = "all(s['running'] == 'Call(sleep)' for s in dtorch.rank_stats())"
+STILL_HELD = "all(s['running'] == 'Call(hold_rank)' for s in dtorch.rank_stats())"
+HOLD = ("from dtorch.runtime import session, messages as m, testing\n"
+        "session.get_controller().issue(m.Call((), testing.hold_rank, ({folder!r},), {{}}, "
+        "(0, 1, 2, 3)))\n")
 
 
-def test_interrupt_returns_promptly_and_the_cluster_stays_consistent(kernel):
+def interrupt_once_held(kernel, folder) -> threading.Thread:
+    """Interrupt the kernel as soon as all 4 ranks are inside ``hold_rank`` (an event, not a
+    guess at how long delivery takes on a loaded machine)."""
+    def interrupt():
+        try:
+            testing.wait_until_held(str(folder), 4)
+        finally:
+            kernel.km.interrupt_kernel()
+    thread = threading.Thread(target=interrupt, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_interrupt_returns_promptly_and_the_cluster_stays_consistent(kernel, tmp_path):
     kernel.ok(SETUP)
-    timer = threading.Timer(2.0, kernel.km.interrupt_kernel)
-    timer.start()
-    cell = kernel.run("""
-import time
-from dtorch.runtime import session, messages as m
-c = session.get_controller()
-c.issue(m.Call((), time.sleep, (12,), {}, (0, 1, 2, 3)))   # ranks busy for 12 s
-dtorch.synchronize()
-""", timeout=60)
-    timer.join()
-    assert cell.status == "error" and cell.reply["ename"] == "KeyboardInterrupt"
-    # control came back while the ranks were still in the sleep (not after it)
-    assert kernel.ok(STILL_SLEEPING).result == "True", "the interrupt waited for the ranks"
+    thread = interrupt_once_held(kernel, tmp_path)
+    try:
+        cell = kernel.run(HOLD.format(folder=str(tmp_path)) + "dtorch.synchronize()\n",
+                          timeout=100)
+        thread.join()
+        assert cell.status == "error" and cell.reply["ename"] == "KeyboardInterrupt"
+        # control came back while the ranks were still held (not after they went on)
+        assert kernel.ok(STILL_HELD, timeout=30).result == "True", \
+            "the interrupt waited for the ranks"
+    finally:
+        testing.release_ranks(str(tmp_path))
     # the ranks survived the SIGINT jupyter sends to the kernel's process group, the stream
-    # kept its order: the next cell queues behind the sleep and gets the right values
+    # kept its order: the next cell queues behind the hold and gets the right values
     after = kernel.ok("x.redistribute(placements=[Replicate()]).to_local(3)[3].tolist()")
     assert after.result == "[12.0, 13.0, 14.0, 15.0]"
     assert kernel.ok("session.cluster_info()['ranks'], session.get_controller().closed"
                      ).result == "(4, False)"
 
 
-def test_interrupt_during_the_end_of_cell_wait(kernel):
-    """The cell itself returns at once; the kernel's wait for its work is what gets
-    interrupted. A later plain-Python cell does not wait for the ranks."""
-    kernel.ok(SETUP + "import time\nfrom dtorch.runtime import session, messages as m")
-    timer = threading.Timer(1.5, kernel.km.interrupt_kernel)
-    timer.start()
-    cell = kernel.run("c = session.get_controller()\n"
-                      "c.issue(m.Call((), time.sleep, (12,), {}, (0, 1, 2, 3)))",
-                      timeout=60)
-    timer.join()
-    assert cell.status == "error" and cell.reply["ename"] == "KeyboardInterrupt"
-    assert "background" in cell.reply["evalue"]
-    assert kernel.ok("2 + 2").result == "4"
-    # neither the interrupted wait nor the plain-Python cell waited for the ranks' sleep
-    assert kernel.ok(STILL_SLEEPING).result == "True", "a cell that ships nothing waited"
+def test_interrupt_during_the_end_of_cell_wait(kernel, tmp_path):
+    """The cell itself returns at once (the ranks get its work when the cell has ended); the
+    kernel's wait for that work is what gets interrupted. A later plain-Python cell does not
+    wait for the ranks: they are held until the test releases them, so a cell that waited
+    would run into its timeout."""
+    kernel.ok(SETUP)
+    thread = interrupt_once_held(kernel, tmp_path)
+    try:
+        cell = kernel.run(HOLD.format(folder=str(tmp_path)), timeout=100)
+        thread.join()
+        assert cell.status == "error" and cell.reply["ename"] == "KeyboardInterrupt"
+        assert "background" in cell.reply["evalue"]
+        assert kernel.ok("2 + 2", timeout=30).result == "4"
+        assert kernel.ok(STILL_HELD, timeout=30).result == "True", \
+            "a cell that ships nothing waited"
+    finally:
+        testing.release_ranks(str(tmp_path))
     after = kernel.ok("x.redistribute(placements=[Replicate()]).to_local(1)[0].tolist()")
     assert after.result == "[0.0, 1.0, 2.0, 3.0]"
 

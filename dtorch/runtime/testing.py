@@ -1,0 +1,48 @@
+"""Helpers for tests that must order events between the controller and the ranks.
+
+A test that needs "the ranks are busy right now" holds them on an event it controls instead of
+sleeping and hoping the timing works out on a loaded machine:
+
+>>> import tempfile
+>>> d = tempfile.mkdtemp()
+>>> release_ranks(d)
+>>> hold_rank(d, timeout=5)             # returns at once: the folder already says "go"
+>>> len(started_ranks(d))
+1
+"""
+
+import os
+import time
+from pathlib import Path
+
+_POLL_S = 0.01
+
+
+def hold_rank(folder: str, timeout: float = 120.0) -> None:
+    """Run on a rank (``m.Call((), hold_rank, (folder,), {}, ranks)``): write
+    ``folder/started.<pid>``, then block until ``folder/release`` exists or ``timeout``
+    seconds pass (a forgotten release ends, it never hangs the suite)."""
+    Path(folder, f"started.{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout
+    while not Path(folder, "release").exists() and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+
+
+def started_ranks(folder: str) -> list[str]:
+    """The ``started.<pid>`` marks the held ranks wrote so far."""
+    return sorted(p.name for p in Path(folder).glob("started.*"))
+
+
+def wait_until_held(folder: str, n: int, timeout: float = 60.0) -> None:
+    """Block until ``n`` ranks are inside ``hold_rank`` on ``folder``; raise after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while len(started_ranks(folder)) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {started_ranks(folder)} of {n} ranks reached hold_rank "
+                               f"in {timeout} s")
+        time.sleep(_POLL_S)
+
+
+def release_ranks(folder: str) -> None:
+    """Let every rank held on ``folder`` go on."""
+    Path(folder, "release").touch()
