@@ -12,6 +12,7 @@ import torch
 
 import dtorch
 from dtorch import ColwiseParallel, RowwiseParallel, Shard, init_device_mesh
+from ledgers import counted
 from test_ops_support import illegal
 
 
@@ -86,12 +87,46 @@ def test_a_full_bucket_is_reduced_during_the_backward(live):
     model = dtorch.DistributedDataParallel(copy.deepcopy(ref), device_mesh=init_device_mesh(
         "cpu", 4), bucket_cap_mb=2 * LAYER_BYTES / 2**20)
     x = torch.randn(8, 16)
-    with dtorch.CommDebugMode() as mode:
-        model(x).square().mean().backward()
-    backward = [(r.kind, r.gradient_of) for r in mode.get_comm_records() if r.phase == "backward"]
+    beside = _beside_reductions()
+    mode = {}
+
+    def step():
+        with dtorch.CommDebugMode() as mode["m"]:
+            model(x).square().mean().backward()
+        return model.module[0].weight.grad
+    counted(step)  # the three ledgers agree: a started all_reduce is counted once everywhere
+    backward = [(r.kind, r.gradient_of) for r in mode["m"].get_comm_records()
+                if r.phase == "backward"]
     assert backward == [("all_reduce", "bucket of 4: 6.weight, 6.bias, 4.weight, 4.bias"),
                         ("all_to_all", None), ("all_to_all", None),
                         ("all_reduce", "bucket of 4: 2.weight, 2.bias, 0.weight, 0.bias")]
+    # the first bucket's all_reduce was in flight while each rank ran the rest of the
+    # backward (the all_to_alls and the first layers' gradients), not waited for at once
+    overlapped = [n - b for n, b in zip(_beside_reductions(), beside)]
+    assert all(n >= 4 for n in overlapped), overlapped
+    ref(x).square().mean().backward()
+    _check_grads(model.module, ref)
+
+
+def _beside_reductions() -> list[int]:
+    dtorch.synchronize()
+    return [s["beside_reductions"] for s in dtorch.rank_stats()]
+
+
+def test_buckets_in_the_stream_when_overlap_is_off(live, monkeypatch):
+    """``buckets.OVERLAP = False`` (the bench's comparison): the same gradients and counts,
+    nothing runs beside a reduction."""
+    from dtorch.autograd import buckets
+    monkeypatch.setattr(buckets, "OVERLAP", False)
+    ref = _mlp(4)
+    model = dtorch.DistributedDataParallel(copy.deepcopy(ref), device_mesh=init_device_mesh(
+        "cpu", 4), bucket_cap_mb=2 * LAYER_BYTES / 2**20)
+    x = torch.randn(8, 16)
+    beside = _beside_reductions()
+    with dtorch.CommDebugMode() as mode:
+        model(x).square().mean().backward()
+    assert mode.get_comm_counts() == {"all_reduce": 2}
+    assert _beside_reductions() == beside
     ref(x).square().mean().backward()
     _check_grads(model.module, ref)
 

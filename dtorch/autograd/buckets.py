@@ -6,10 +6,12 @@ A parameter joins when it is registered (``register``: what ``DistributedDataPar
 does) and its gradient only needs its Partial mesh dims reduced to Replicate, with the same
 local shape on every rank (so each rank's flat buffer has the same length). Buckets are cut
 in the order gradients become final in the walk (the reverse of the forward: the last
-layers' first), per (mesh, placements, dtype). A bucket is three instructions: a pack on the
-ranks, one planned and counted redistribute of the flat buffer (an all_reduce per Partial
-mesh dim), and an unpack into each gradient (views of the reduced buffer). CommDebugMode
-names the bucket's parameters. Example::
+layers' first), per (mesh, placements, dtype). A bucket is a pack on the ranks, one planned
+and counted all_reduce of the flat buffer, posted without waiting (``StartReduce``) as soon as
+the bucket is full, so the rest of the backward runs while it moves, a ``FinishReduce`` at
+the end of the walk, and an unpack into each gradient (tensors over the reduced buffer).
+Gradients Partial on several mesh dims take the planned redistribute instead (one all_reduce
+per dim, in the stream). CommDebugMode names the bucket's parameters. Example::
 
     register(model.parameters(), cap_bytes=25 * 2**20)
     loss.backward()          # one all_reduce per 25 MB of gradients, not one per parameter
@@ -21,13 +23,17 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from .. import comm_debug, layout
 from ..placement import Partial, Replicate, Shard
+from ..redistribute import plan_redistribute
+from ..runtime import messages as m
 
 _CAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # AutogradMeta -> bytes
+OVERLAP = True  # False: each bucket's all_reduce in the stream (bench/train_step.py compares)
 
 
 def register(params, cap_bytes: int) -> None:
@@ -64,8 +70,9 @@ def any_registered() -> bool:
 
 
 class Bucketer:
-    """Open buckets per key; a bucket is reduced as soon as it holds ``cap`` bytes (the key's
-    last field), the rest by ``flush``. Items: ``(meta, key, summed gradient, name)``.
+    """Open buckets per key; a bucket's reduction starts as soon as it holds ``cap`` bytes
+    (the key's last field), the rest start in ``flush``, which then waits for them all.
+    Items: ``(meta, key, summed gradient, name)``.
 
     >>> Bucketer().flush()
     {}
@@ -73,6 +80,7 @@ class Bucketer:
 
     def __init__(self):
         self.open: dict = {}  # key -> ([items], bytes)
+        self.started: list = []  # StartedBucket, in the order their reductions started
         self.reduced: dict = {}  # id(meta) -> reduced gradient
         self._held: set = set()  # id(meta) of every item added
 
@@ -86,15 +94,19 @@ class Bucketer:
         items.append(item)
         size += local_bytes(item[2])
         if size >= key[-1]:
-            self.reduced.update(reduce_bucket(items, key))
+            self.started.append(start_bucket(items, key))
         else:
             self.open[key] = (items, size)
 
     def flush(self) -> dict:
-        """Reduce every open bucket; every reduced gradient so far, by ``id(meta)``."""
+        """Start every open bucket, wait for every started one; every reduced gradient so
+        far, by ``id(meta)``."""
         for key, (items, _) in self.open.items():
-            self.reduced.update(reduce_bucket(items, key))
+            self.started.append(start_bucket(items, key))
         self.open.clear()
+        for bucket in self.started:
+            self.reduced.update(finish_bucket(bucket))
+        self.started.clear()
         return self.reduced
 
 
@@ -105,9 +117,21 @@ def local_bytes(g) -> int:
     return math.prod(shape) * g.dtype.itemsize
 
 
-def reduce_bucket(items: list, key: tuple) -> dict:
-    """One bucket: pack on the ranks, one planned redistribute of the flat buffer, unpack;
-    ``{id(meta): reduced gradient}``."""
+class StartedBucket(NamedTuple):
+    """A bucket whose reduction was issued: its items, each gradient's local shape, the
+    flat buffer being reduced and whether that is an all_reduce still to wait for."""
+
+    items: list
+    key: tuple
+    shapes: list
+    flat: object  # DTensor
+    in_flight: bool
+
+
+def start_bucket(items: list, key: tuple) -> StartedBucket:
+    """Pack the bucket's gradients on the ranks and start its reduction: one all_reduce
+    posted without waiting (``StartReduce``: the rest of the backward runs while it moves),
+    or, when the gradients are Partial on several mesh dims, the planned redistribute."""
     from ..local_call import run_local
     from ..tensor import make_spec
     mesh, src, target, dtype, _ = key
@@ -117,14 +141,42 @@ def reduce_bucket(items: list, key: tuple) -> dict:
     length = sum(math.prod(s) for s in shapes)
     sharded = math.prod(n for p, n in zip(src, mesh.shape) if p.is_shard())
     flat_src = tuple(Shard(0) if p.is_shard() else p for p in src)
+    flat_target = tuple(Shard(0) if p.is_shard() else p for p in target)
     flat, = run_local(pack_flat, (grads,), {}, [make_spec((length * sharded,), dtype, mesh,
                                                           flat_src)])
+    steps = plan_redistribute(mesh, flat._spec.shape, flat_src, flat_target, dtype.itemsize)
     names = [item[3] or "?" for item in items]
     with comm_debug.gradient_of(f"bucket of {len(items)}: " + ", ".join(names)):
-        flat = flat._move(mesh, tuple(Shard(0) if p.is_shard() else p for p in target))
-    outs = run_local(unpack_flat, (flat,), {"shapes": shapes},
-                     [make_spec(g.shape, dtype, mesh, target) for g in grads])
-    return {id(item[0]): g for item, g in zip(items, outs)}
+        if OVERLAP and len(steps) == 1 and steps[0].kind == "all_reduce":
+            return StartedBucket(items, key, shapes, _start_all_reduce(flat, steps[0],
+                                                                       flat_target), True)
+        return StartedBucket(items, key, shapes, flat._move(mesh, flat_target), False)
+
+
+def _start_all_reduce(flat, step, target):
+    """Issue ``StartReduce`` for ``flat`` (counted now, as the ranks count it when posted);
+    the returned handle holds the reduction in flight until ``FinishReduce``."""
+    from ..tensor import DTensor, make_spec
+    c, spec = flat._live(), flat._spec
+    out = c.new_tid()
+    c.issue(m.StartReduce(out, flat._tid, spec.shape, spec.dtype, spec.mesh, step,
+                          spec.mesh.ranks))
+    comm_debug.record_steps((step,))
+    return DTensor._wrap(make_spec(spec.shape, spec.dtype, spec.mesh, target), out, c)
+
+
+def finish_bucket(bucket: StartedBucket) -> dict:
+    """Wait for the bucket's reduction on the ranks and unpack it into one gradient per
+    item: ``{id(meta): reduced gradient}``."""
+    from ..local_call import run_local
+    from ..tensor import make_spec
+    mesh, _, target, dtype, _ = bucket.key
+    flat = bucket.flat
+    if bucket.in_flight:
+        flat._live().issue(m.FinishReduce(flat._tid, mesh.ranks))
+    outs = run_local(unpack_flat, (flat,), {"shapes": bucket.shapes},
+                     [make_spec(item[2].shape, dtype, mesh, target) for item in bucket.items])
+    return {id(item[0]): g for item, g in zip(bucket.items, outs)}
 
 
 def pack_flat(grads) -> torch.Tensor:

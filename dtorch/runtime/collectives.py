@@ -262,13 +262,55 @@ def _all_reduce(step, local, ctx, group, pg, poisoned=False):
 
 def _reduced(step, local, ctx, group, pg, poisoned):
     """``(reduced copy of local, -1 if any member was poisoned else None)`` in one all_reduce."""
+    buf = _flagged_copy(step, local, ctx, group, poisoned)
+    counted.all_reduce(buf, op=_REDUCE_OPS[step.src.reduce_op], group=pg)
+    return _unflagged(buf, local.shape, step.src.reduce_op)
+
+
+def _flagged_copy(step, local, ctx, group, poisoned) -> torch.Tensor:
+    """A flat copy of ``local`` with the poison flag as one extra element (the reduction is
+    in place, so the copy is needed anyway)."""
     op = step.src.reduce_op
     x = _wire(local)
     buf = _empty(ctx, (x.numel() + 1,), wire_for_reduction(x.dtype, op, len(group)))
     buf[:-1].view(x.shape).copy_(x)
     buf[-1:].fill_(flag_codes(op)[1 if poisoned else 0])
-    counted.all_reduce(buf, op=_REDUCE_OPS[op], group=pg)
-    return _owning(buf[:-1].view(x.shape)), (-1 if reduced_flag(buf[-1], op) else None)
+    return buf
+
+
+def _unflagged(buf: torch.Tensor, shape, op: str) -> tuple:
+    return _owning(buf[:-1].view(shape)), (-1 if reduced_flag(buf[-1], op) else None)
+
+
+class InFlight(NamedTuple):
+    """An all_reduce started by ``start_all_reduce``: what ``finish_all_reduce`` needs."""
+
+    work: object
+    buf: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    op: str
+    n: int
+
+
+def start_all_reduce(step, local: torch.Tensor, ctx: StepContext,
+                     poisoned: bool = False) -> InFlight:
+    """Post the all_reduce ``step`` of ``local`` (the flag inside its payload) and return at
+    once: the backend moves the data while the rank runs its next instructions."""
+    group = _my_group(step, ctx.rank)
+    buf = _flagged_copy(step, local, ctx, group, poisoned)
+    work = counted.all_reduce(buf, op=_REDUCE_OPS[step.src.reduce_op],
+                              group=ctx.group_of(group), async_op=True)
+    return InFlight(work, buf, local.shape, local.dtype, step.src.reduce_op, len(group))
+
+
+def finish_all_reduce(pending: InFlight) -> tuple[torch.Tensor, int | None]:
+    """Wait for a started all_reduce: ``(reduced tensor, -1 if a member was poisoned else
+    None)``, as ``run_step`` returns them."""
+    pending.work.wait()
+    t, flagged = _unflagged(pending.buf, pending.shape, pending.op)
+    t = _average(t, pending.n) if pending.op == "avg" else t
+    return t.to(pending.dtype), flagged
 
 
 def _reduce_scatter(step, local, ctx, group, pg, poisoned=False):

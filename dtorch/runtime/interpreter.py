@@ -15,7 +15,7 @@ import pickle
 import time
 import traceback
 from collections import Counter
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -25,7 +25,8 @@ from ..redistribute import COLLECTIVES
 from . import messages as m
 from .buffers import BufferPool
 from .wire import pack, unpack
-from .collectives import StepContext, collective_calls, is_comm_failure, run_step, send_recv
+from .collectives import (InFlight, StepContext, collective_calls, finish_all_reduce,
+                          is_comm_failure, run_step, send_recv, start_all_reduce)
 from .composite import run_composite
 from . import random_masks
 from .local_graphs import LocalGraph, LocalGraphs, tensors_of as _tensors_of  # noqa: F401
@@ -66,7 +67,16 @@ def _label(instr) -> str:
 _OUTPUTS = {m.Create: lambda i: (i.tid,), m.Load: lambda i: (i.tid,),
             m.Redistribute: lambda i: (i.out,), m.Call: lambda i: i.outs,
             m.Eager: lambda i: (i.out,), m.Unflatten: lambda i: i.outs,
-            m.RecordedCall: lambda i: i.outs, m.Backward: lambda i: i.outs}
+            m.RecordedCall: lambda i: i.outs, m.Backward: lambda i: i.outs,
+            m.StartReduce: lambda i: (i.out,), m.FinishReduce: lambda i: (i.tid,)}
+
+
+class _Started(NamedTuple):
+    """A store entry: an all_reduce in flight (``StartReduce``) and its input's Poison."""
+
+    pending: InFlight
+    poison: Poison | None
+    at: int  # the rank's instruction count when it started
 
 
 def _outputs_of(instr) -> tuple[int, ...]:
@@ -104,6 +114,7 @@ class Interpreter(LocalGraphs):
         self.gen = torch.Generator().manual_seed(seed)
         self.instructions = 0
         self.random_values = 0  # values the counter-based stream drew here (random_masks)
+        self.beside_reductions = 0  # instructions run while a StartReduce was in flight
         self._poisoned_arg: Poison | None = None
         self.composite_peak_bytes = 0  # watched bytes at the peak of the last composite op
         self._handlers = {m.SetupMesh: self._setup_mesh, m.Seed: self._seed,
@@ -112,7 +123,9 @@ class Interpreter(LocalGraphs):
                           m.Fetch: self._fetch, m.Sync: self._sync, m.Free: self._free,
                           m.Eager: self._eager, m.Unflatten: self._unflatten,
                           m.RecordedCall: self._recorded_call, m.Backward: self._backward,
-                          m.Checkpoint: self._checkpoint}
+                          m.Checkpoint: self._checkpoint,
+                          m.StartReduce: self._start_reduce,
+                          m.FinishReduce: self._finish_reduce}
         self.post_later: Callable | None = None  # answers a request later (the actor's)
         self.timeout_s = 60.0  # the world's collective timeout (the actor sets its own)
         self.current: tuple[str, float] | None = None  # (instruction, started) while running
@@ -217,15 +230,9 @@ class Interpreter(LocalGraphs):
         if self.broken is not None:  # never start a collective the peers may not be in
             self.store[instr.out] = Poison(self.broken)
             return
-        value = self.store.get(instr.src)
-        poison = value if isinstance(value, Poison) else None
         coord = instr.mesh.get_coordinate(self.rank)
-        if poison is not None or (value is None and coord is not None):
-            if value is None:
-                poison = self._fail("redistribute", KeyError(f"tensor {instr.src} not found"))
-            value = torch.zeros(layout.local_shape(instr.shape, instr.mesh,
-                                                   instr.steps[0].before, coord),
-                                dtype=instr.dtype, device=self.device)
+        value, poison = self._input_or_placeholder(instr, instr.steps[0].before, coord,
+                                                  "redistribute")
         ctx = StepContext(self.rank, instr.shape, instr.dtype, instr.mesh,
                           instr.dst_mesh or instr.mesh, self.group_of, self.device, self.pool)
         try:
@@ -250,6 +257,64 @@ class Interpreter(LocalGraphs):
             poison = poison or self._collective_failure("redistribute", exc)
         if value is not None or poison is not None:
             self.store[instr.out] = poison if poison is not None else value
+
+    def _input_or_placeholder(self, instr, placements, coord, op: str) -> tuple:
+        """``(local shard of instr.src, its Poison or None)``; a poisoned or missing shard
+        is replaced by zeros of the shape the metadata gives, so this rank still takes part
+        in the collective (its flag set)."""
+        value = self.store.get(instr.src)
+        poison = value if isinstance(value, Poison) else None
+        if poison is not None or (value is None and coord is not None):
+            if value is None:
+                poison = self._fail(op, KeyError(f"tensor {instr.src} not found"))
+            value = torch.zeros(layout.local_shape(instr.shape, instr.mesh, placements, coord),
+                                dtype=instr.dtype, device=self.device)
+        return value, poison
+
+    def _start_reduce(self, instr: m.StartReduce):
+        """Post the all_reduce and keep it in flight under ``instr.out`` (with the input's
+        poison, if any: the flag went out set, the result is poisoned when it lands)."""
+        if self.rank not in instr.ranks:
+            return
+        if self.broken is not None:  # never start a collective the peers may not be in
+            self.store[instr.out] = Poison(self.broken)
+            return
+        coord = instr.mesh.get_coordinate(self.rank)
+        value, poison = self._input_or_placeholder(instr, instr.step.before, coord, "all_reduce")
+        ctx = StepContext(self.rank, instr.shape, instr.dtype, instr.mesh, instr.mesh,
+                          self.group_of, self.device, self.pool)
+        try:
+            pending = start_all_reduce(instr.step, value, ctx, poison is not None)
+        except Exception as exc:  # noqa: BLE001
+            self.store[instr.out] = poison or self._collective_failure("all_reduce", exc)
+            return
+        self.counts[instr.step.kind] += 1
+        self.store[instr.out] = _Started(pending, poison, self.instructions)
+
+    def _finish_reduce(self, instr: m.FinishReduce):
+        if self.rank not in instr.ranks:
+            return
+        started = self.store.get(instr.tid)
+        if not isinstance(started, _Started):  # poisoned at the start, or never started
+            self.store[instr.tid] = started if isinstance(started, Poison) else self._fail(
+                "all_reduce", KeyError(f"no all_reduce in flight for tensor {instr.tid}"))
+            return
+        self.store[instr.tid] = self._landed(started)
+
+    def _landed(self, started: "_Started"):
+        """Wait for a started reduction: its result, or the Poison it carries."""
+        self.beside_reductions += self.instructions - started.at - 1
+        try:
+            value, peer = finish_all_reduce(started.pending)
+        except Exception as exc:  # noqa: BLE001 - a timeout or a lost peer
+            return started.poison or self._collective_failure("all_reduce", exc)
+        if started.poison is not None:
+            return started.poison
+        if peer is not None:
+            return Poison(RemoteFailure(
+                self.rank, "all_reduce", "a peer's input to this all_reduce came from a failed "
+                "op; dtorch.synchronize() raises that failure with its traceback", ""))
+        return value
 
     def _resolve(self, obj, subst=None):
         if isinstance(obj, m.Ref):
@@ -391,7 +456,9 @@ class Interpreter(LocalGraphs):
         for tid in instr.tids:
             self.graphs.pop(tid, None)  # a node id: the controller dropped its graph
             value = self.store.pop(tid, None)
-            if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+            if isinstance(value, _Started):  # the backend still writes its buffer
+                self._landed(value)
+            elif isinstance(value, torch.Tensor) and value.layout == torch.strided:
                 self.pool.give_back(value)  # reused only if nothing else can reach it
             del value
 
@@ -414,6 +481,7 @@ class Interpreter(LocalGraphs):
                 "bytes": sum(t.numel() * t.element_size() for t in tensors),
                 "counts": dict(self.counts), "instructions": self.instructions,
                 "random_values": self.random_values,
+                "beside_reductions": self.beside_reductions,
                 "pool_bytes": self.pool.held, "pool_reused": self.pool.reused,
                 "composite_peak_bytes": self.composite_peak_bytes,
                 "graphs": len(self.graphs),

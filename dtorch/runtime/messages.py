@@ -74,6 +74,27 @@ class Redistribute(NamedTuple):
     ranks: tuple[int, ...]
 
 
+class StartReduce(NamedTuple):
+    """Start the one planned all_reduce ``step`` of ``src``'s shards and go on without waiting
+    (DDP's overlap: the instructions issued before ``FinishReduce`` run while it moves data);
+    ``out`` holds the reduction in flight."""
+
+    out: int
+    src: int
+    shape: tuple[int, ...]
+    dtype: Any
+    mesh: Any
+    step: Any
+    ranks: tuple[int, ...]
+
+
+class FinishReduce(NamedTuple):
+    """Wait for the reduction a ``StartReduce`` keeps in ``tid``; store its result there."""
+
+    tid: int
+    ranks: tuple[int, ...]
+
+
 class Call(NamedTuple):
     """Run ``fn(*args, **kwargs)`` on local shards (``Ref`` placeholders), store outputs."""
 

@@ -194,7 +194,9 @@ def cluster_info() -> dict:
 def rank_stats() -> list[dict]:
     """Per rank: tensors held and their bytes, collectives run, instructions, process RSS,
     ``random_values`` (the values dropout masks drew there: only the rank's own blocks),
-    ``running`` (the instruction the rank is in right now, e.g. ``'Call(sleep)'``, or None).
+    ``running`` (the instruction the rank is in right now, e.g. ``'Call(sleep)'``, or None),
+    ``beside_reductions`` (instructions the rank ran while a gradient bucket's all_reduce was
+    in flight: the backward work that overlapped it).
 
     >>> [s["bytes"] for s in dtorch.rank_stats()]              # doctest: +SKIP
     [400, 400, 400, 400]
