@@ -30,6 +30,9 @@
   (and 2048-8192-2048 in full mode): ``DistributedDataParallel`` vs PyTorch's DDP, the TP MLP
   vs its ``parallelize_module``, ``fully_shard`` vs FSDP2's, on 4 plain processes (<= 1.0x),
   and the DDP step with one all_reduce per gradient instead of buckets
+- ``train_llama.py``: one training step of the small Llama on dp2 x tp2 (dtorch's Llama in
+  ``DistributedDataParallel`` over dp) vs the same lean torch.nn Llama under PyTorch's
+  ``parallelize_module`` + DDP (<= 1.0x); 1 MB buckets overlapped vs in the stream (info)
 
 Each runs in its own child process (one process tree; every cluster and process group is torn
 down before the next starts, and Dask's worker environment does not leak into the next one).
@@ -58,7 +61,7 @@ from _common import Row, command, machine, markdown, now, table  # noqa: E402
 BENCHES = ("redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
            "startup.py", "op_overhead.py", "tp_mlp_vs_dtensor.py", "pipeline.py",
            "llama_vs_dtensor.py", "llama_cp.py", "controller_scaling.py",
-           "redistribute_multinode.py", "optim_step.py", "train_step.py")
+           "redistribute_multinode.py", "optim_step.py", "train_step.py", "train_llama.py")
 
 
 def main() -> int:

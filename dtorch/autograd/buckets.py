@@ -33,7 +33,7 @@ from ..redistribute import plan_redistribute
 from ..runtime import messages as m
 
 _CAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # AutogradMeta -> bytes
-OVERLAP = True  # False: each bucket's all_reduce in the stream (bench/train_step.py compares)
+OVERLAP = True  # False: each bucket's all_reduce in the stream (bench/train_llama.py compares)
 
 
 def register(params, cap_bytes: int) -> None:
