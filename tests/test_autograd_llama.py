@@ -66,3 +66,26 @@ def test_llama_gradients_match_transformers(live, reference, shape, names):
 def test_llama_gradients_match_transformers_on_8_ranks(other_cluster, reference, shape, names):
     other_cluster(n_workers=8)
     _check_gradients(reference, shape, names)
+
+
+@pytest.mark.parametrize("shape, names", [((2, 2), ("pp", "tp")), ((2, 2), ("dp", "pp"))],
+                         ids=["ppxtp", "dpxpp"])
+def test_micro_batches_through_the_pipeline_stages_give_the_whole_batch_gradients(
+        live, reference, shape, names):
+    """``dtorch.pipeline_backward(model.pipeline_stages(), ids.chunk(2), model.lm_loss)``:
+    two micro-batches of one sequence, in 1F1B order, accumulate transformers' gradients of
+    the whole batch; the losses are each micro-batch's, the stages' activations sent on point
+    to point (one send and one gradient back per micro-batch)."""
+    hf, ids, want_loss, want = reference
+    model = _model(hf, shape, names)
+    stages = model.pipeline_stages()
+    assert len(stages) == 2
+    with dtorch.CommDebugMode() as mode:
+        losses = dtorch.pipeline_backward(stages, ids.chunk(2), model.lm_loss)
+    assert mode.get_comm_counts()["send_recv"] == 2 * 2
+    for loss, part in zip(losses, ids.chunk(2)):
+        torch.testing.assert_close(loss.to_torch(), hf(part, labels=part).loss.detach(),
+                                   atol=1e-5, rtol=0)
+    for name, p in model.named_parameters():
+        got, ref = p.grad.to_torch(), want[name]
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), name

@@ -32,6 +32,8 @@ not -100).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -241,6 +243,33 @@ class LlamaForCausalLM(nn.Module):
             cache.length += length
         h = self.model.norm(h.redistribute(device_mesh=self.stages[-1]))
         return self._output(self.lm_head(h), labels, sequence_sharded)
+
+    def pipeline_stages(self) -> list:
+        """One callable per pipeline stage, for :func:`dtorch.pipeline_backward`: the first
+        takes input ids ``[batch, seq]`` (a torch tensor or a DTensor), each one but the last
+        ends by sending its hidden states to the next stage, the last returns the logits
+        (vocabulary-sharded on tp, as with ``labels=``); score them with :meth:`lm_loss`::
+
+            losses = dtorch.pipeline_backward(model.pipeline_stages(), ids.chunk(4),
+                                              model.lm_loss)
+        """
+        return [functools.partial(self._stage_forward, s) for s in range(len(self.stages))]
+
+    def _stage_forward(self, s: int, x):
+        stage = self.stages[s]
+        h = self.model.embed_tokens(self._tokens(x, True)) if s == 0 else x
+        cos, sin = self._rope(stage, 0, h.shape[1], True)
+        for i, layer in enumerate(self.model.layers):
+            if self.stage_of[i] == s:
+                h = layer(h.redistribute(device_mesh=stage), cos, sin, None)
+        if s + 1 < len(self.stages):
+            return h.redistribute(device_mesh=self.stages[s + 1])
+        return self.lm_head(self.model.norm(h))
+
+    def lm_loss(self, logits, labels):
+        """The loss ``forward(ids, labels=labels)`` gives, from the last stage's logits:
+        Hugging Face's shifted next-token loss (-100 ignored)."""
+        return causal_lm_loss(logits, self._shifted_labels(labels, True))
 
     def _output(self, logits, labels, sequence_sharded: bool) -> CausalLMOutput:
         """Without labels, the logits gathered on tp; with them, the loss of the logits as
