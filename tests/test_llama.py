@@ -98,7 +98,7 @@ def test_eos_stops_rows_like_transformers(live, hf_model, tokens):
 
 def test_generate_takes_transformers_arguments(live, hf_model, tokens):
     """input_ids=, attention_mask (all ones), do_sample=False, max_length as transformers'
-    generate takes them; sampling, beams and padding raise by name before decoding."""
+    generate takes them; sampling, beams and a malformed mask raise by name before decoding."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
     model.load_state_dict(hf_model.state_dict())
@@ -114,12 +114,54 @@ def test_generate_takes_transformers_arguments(live, hf_model, tokens):
                           ({"max_new_tokens": 0}, "at least 1")):
         with pytest.raises((NotImplementedError, ValueError), match=match):
             model.generate(tokens, **kwargs)
-    padded = ones.clone()
-    padded[0, 0] = 0
-    with pytest.raises(NotImplementedError, match="padding"):
-        model.generate(tokens, attention_mask=padded, max_new_tokens=2)
+    for bad, match in ((ones[:, 1:], r"\[batch, seen \+ seq\] = \[2, 12\]"),
+                       (ones * 2, "1 \\(attend\\) and 0")):
+        with pytest.raises(ValueError, match=match):
+            model.generate(tokens, attention_mask=bad, max_new_tokens=2)
     with pytest.raises(TypeError, match="prompt once"):
         model.generate(tokens, input_ids=tokens)
+
+
+def _left_padded(tokens):
+    """Row 0 left-padded by 3 (pad id 0, masked), row 1 whole: a batch of two prompts."""
+    ids, mask = tokens.clone(), torch.ones_like(tokens)
+    ids[0, :3], mask[0, :3] = 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("shape, names", [((2, 2), ("dp", "tp")), ((2, 2), ("pp", "tp")),
+                                          ((4,), ("dp",))])
+def test_a_padded_batch_matches_transformers(live, hf_model, tokens, shape, names):
+    """attention_mask with padding: the logits (pads included), the loss with the pads'
+    labels -100, and generate on the left-padded prompts (each row's positions counted from
+    its first token) are transformers'."""
+    ids, mask = _left_padded(tokens)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
+    model.load_state_dict(hf_model.state_dict())
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        want = hf_model(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits.to_torch(), want.logits,
+                               atol=1e-4, rtol=0)
+    loss = model(ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(loss.to_torch(), want.loss, atol=1e-5, rtol=0)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=5)
+    assert torch.equal(got, hf_model.generate(ids, attention_mask=mask, max_new_tokens=5,
+                                              do_sample=False))
+    # the padded row alone, unpadded, generates the same tokens (the pads change nothing)
+    alone = model.generate(tokens[:1, 3:], max_new_tokens=5)
+    assert torch.equal(got[0, 3:], alone[0])
+
+
+def test_padding_with_a_context_parallel_dim_is_refused(live, hf_model, tokens):
+    ids, mask = _left_padded(tokens)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "ring_cp"))
+    model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
+    with pytest.raises(NotImplementedError, match=r"context-parallel dims \['ring_cp'\]"):
+        model(ids, attention_mask=mask)
+    torch.testing.assert_close(model(ids, attention_mask=torch.ones_like(mask)).logits
+                               .to_torch(), model(ids).logits.to_torch())
 
 
 def test_tied_embeddings_and_rope_scaling(live, tokens):

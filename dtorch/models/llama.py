@@ -47,7 +47,7 @@ from ..graph import mesh_or_default
 from .llama_config import llama_settings
 from . import pretrained
 from .outputs import CausalLMOutput
-from .rope import cos_sin, inverse_frequencies
+from .rope import cos_sin, cos_sin_at, inverse_frequencies
 
 CP_DIMS = ("ring_cp", "ulysses_cp", "ulysess_cp")
 IGNORE_INDEX = -100  # Hugging Face's label for "no loss here"
@@ -105,7 +105,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.RowParallelLinearWithReplicateOutput(self.heads * s.head_dim,
                                                               s.hidden_size, bias)
 
-    def forward(self, h, cos, sin, cache=None):
+    def forward(self, h, cos, sin, cache=None, mask=None):
         b, length = h.shape[0], h.shape[1]
         q = self.q_proj(h).view(b, length, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, length, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -113,7 +113,8 @@ class LlamaAttention(nn.Module):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=length > 1,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             is_causal=mask is None and length > 1,
                                              scale=self.head_dim ** -0.5,
                                              enable_gqa=self.heads != self.kv_heads)
         out = out.transpose(1, 2).reshape(b, length, self.heads * self.head_dim)
@@ -148,8 +149,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(s.hidden_size, eps=s.rms_norm_eps)
 
-    def forward(self, h, cos, sin, cache=None):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache)
+    def forward(self, h, cos, sin, cache=None, mask=None):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -208,6 +209,35 @@ class LlamaForCausalLM(nn.Module):
                                           for t in (cos, sin))
         return self._rope_cache[key]
 
+    def _per_row(self, stage, keys, position_ids, start: int, length: int) -> tuple:
+        """cos/sin ``[batch, 1, seq, head_dim]`` at each row's positions and the boolean
+        attention mask ``[batch, 1, seq, seen + seq]`` (causal, padded keys masked: what
+        transformers gives SDPA), batch on dp; the mask is None without padding."""
+        place = activation_placements(stage, False)
+        positions = torch.as_tensor(position_ids.to_torch() if isinstance(position_ids, DTensor)
+                                    else position_ids) if position_ids is not None else \
+            torch.arange(start, start + length)[None]
+        cos, sin = (t[:, None] for t in cos_sin_at(self._inv_freq, self._rope_scaling,
+                                                     positions))
+        rows = _shape_of_batch(keys, positions)
+        cos, sin = (distribute_tensor(t.expand(rows, -1, -1, -1).contiguous(), stage, place)
+                    for t in (cos, sin))
+        if keys is None:
+            return cos, sin, None
+        causal = torch.ones(length, start + length, dtype=torch.bool).tril(start)
+        mask = causal[None, None] & keys[:, None, None, :]
+        return cos, sin, distribute_tensor(mask, stage, place)
+
+    def _check_no_cp(self, what: str) -> None:
+        names = set(self.device_mesh.mesh_dim_names or ())
+        if names & set(CP_DIMS):
+            raise NotImplementedError(
+                f"LlamaForCausalLM: {what} cannot go with the context-parallel dims "
+                f"{sorted(names & set(CP_DIMS))} (each rank's block of the sequence would need "
+                f"its rows' masks and positions); use a mesh without them, or right-pad the "
+                f"batch without a mask (causal attention never looks ahead) and set the pads' "
+                f"labels to -100")
+
     def _tokens(self, input_ids, sequence_sharded: bool):
         stage = self.stages[0]
         if isinstance(input_ids, DTensor):
@@ -219,24 +249,36 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(ids.shape)}")
         return distribute_tensor(ids, stage, activation_placements(stage, sequence_sharded))
 
-    def forward(self, input_ids, attention_mask=None, labels=None, *,
+    def forward(self, input_ids, attention_mask=None, labels=None, *, position_ids=None,
                 cache: LlamaKVCache | None = None) -> CausalLMOutput:
         """transformers' ``forward``: ``.logits`` ``[batch, seq, vocab]`` (a DTensor on the last
         stage, Replicate on tp; ``Shard(-1)`` there when ``labels`` are given) and, given
         ``labels`` ``[batch, seq]``, ``.loss`` (see :func:`causal_lm_loss`). ``attention_mask``
-        may be None or all ones (padding is not supported yet)."""
-        _check_no_padding(attention_mask)
+        ``[batch, seen + seq]`` (1: attend, 0: padding) masks the padded keys as transformers
+        does; ``position_ids`` ``[batch, seq]`` (default: the positions in the sequence) set
+        each row's rotary positions. Neither goes with a context-parallel dim."""
+        start = cache.length if cache is not None else 0
+        keys = _padding_mask(attention_mask, _shape(input_ids), start)
         if labels is not None and _shape(labels) != _shape(input_ids):
             raise ValueError(f"labels must have input_ids' shape {_shape(input_ids)}; got "
                              f"{_shape(labels)}")
-        start = cache.length if cache is not None else 0
+        per_row = keys is not None or position_ids is not None
+        if per_row:
+            self._check_no_cp("an attention_mask with padding or position_ids")
         sequence_sharded = start == 0
         ids = self._tokens(input_ids, sequence_sharded)
         length = ids.shape[1]
         h = self.model.embed_tokens(ids)
+        extras: dict = {}  # stage -> (cos, sin, mask) when rows differ
         for i, layer in enumerate(self.model.layers):
             stage = self.stages[self.stage_of[i]]
             h = h.redistribute(device_mesh=stage)
+            if per_row:
+                if stage not in extras:
+                    extras[stage] = self._per_row(stage, keys, position_ids, start, length)
+                cos, sin, mask = extras[stage]
+                h = layer(h, cos, sin, cache, mask)
+                continue
             cos, sin = self._rope(stage, start, length, sequence_sharded)
             h = layer(h, cos, sin, cache)
         if cache is not None:
@@ -306,18 +348,23 @@ class LlamaForCausalLM(nn.Module):
         """Greedy decoding with a sharded KV cache, called as transformers' ``generate``:
         returns ``[batch, seq + new]`` token ids, the same as ``generate(do_sample=False)``
         (finished rows padded). ``max_new_tokens`` (or ``max_length``; transformers' default
-        ``max_length=20``), ``attention_mask`` (all ones: padding is refused, as in
-        :meth:`forward`), ``eos_token_id``, ``pad_token_id``; sampling and beam search raise."""
+        ``max_length=20``), ``attention_mask`` (a left-padded batch: its pads masked, each
+        row's positions counted from its first token, as transformers does), ``eos_token_id``,
+        ``pad_token_id``; sampling and beam search raise."""
         ids = _generate_inputs(inputs, input_ids)
         _check_greedy(do_sample, sampling)
-        _check_no_padding(attention_mask)
+        keys = _padding_mask(attention_mask, tuple(ids.shape), 0)
         max_new_tokens = _new_tokens(max_new_tokens, max_length, ids.shape[1])
         eos = _ids(eos_token_id if eos_token_id is not None else self.config.eos_token_id)
         pad = pad_token_id if pad_token_id is not None else (
             self.config.pad_token_id if self.config.pad_token_id is not None else
             (eos[0] if eos else None))
         cache = LlamaKVCache()
-        logits = self(ids, cache=cache).logits
+        mask = positions = None
+        if keys is not None:  # transformers' position_ids: each row counts its own tokens
+            mask = keys.long()
+            positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        logits = self(ids, attention_mask=mask, position_ids=positions, cache=cache).logits
         cache.gather_sequence()
         done = torch.zeros(ids.shape[0], dtype=torch.bool)
         out = ids
@@ -330,7 +377,11 @@ class LlamaForCausalLM(nn.Module):
             out = torch.cat([out, nxt[:, None]], dim=1)
             if (eos and bool(done.all())) or step == max_new_tokens - 1:
                 break
-            logits = self(nxt[:, None], cache=cache).logits
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                positions = positions[:, -1:] + 1
+            logits = self(nxt[:, None], attention_mask=mask, position_ids=positions,
+                          cache=cache).logits
         return out
 
 
@@ -349,17 +400,25 @@ def _shape(tokens) -> tuple[int, ...]:
         tokens).shape)
 
 
-def _check_no_padding(attention_mask) -> None:
-    """An attention mask of all ones changes nothing; padding is refused (not ignored)."""
+def _padding_mask(attention_mask, ids_shape, start: int):
+    """transformers' ``attention_mask`` ``[batch, start + seq]`` as a boolean key mask, or
+    None when it masks nothing (None or all ones)."""
     if attention_mask is None:
-        return
-    mask = attention_mask.to_torch() if isinstance(attention_mask, DTensor) else \
-        torch.as_tensor(attention_mask)
-    if not bool((mask == 1).all()):
-        raise NotImplementedError(
-            "LlamaForCausalLM: attention_mask with padding (zeros) is not supported yet; "
-            "pass attention_mask=None (or all ones): right-pad the batch (causal attention "
-            "never looks ahead) and set the labels of the pads to -100")
+        return None
+    mask = torch.as_tensor(attention_mask.to_torch() if isinstance(attention_mask, DTensor)
+                           else attention_mask)
+    want = (ids_shape[0], start + ids_shape[1])
+    if tuple(mask.shape) != want:
+        raise ValueError(f"attention_mask must be [batch, seen + seq] = {list(want)} (the "
+                         f"cached tokens and these); got {list(mask.shape)}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask holds 1 (attend) and 0 (padding) only")
+    return None if bool((mask == 1).all()) else mask.bool()
+
+
+def _shape_of_batch(keys, positions) -> int:
+    """The batch size the per-row tensors take (positions may broadcast over it)."""
+    return keys.shape[0] if keys is not None else positions.shape[0]
 
 
 def _generate_inputs(inputs, input_ids) -> torch.Tensor:

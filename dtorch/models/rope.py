@@ -35,8 +35,18 @@ def inverse_frequencies(settings) -> tuple[torch.Tensor, float]:
 
 def cos_sin(inv_freq: torch.Tensor, scaling: float, start: int, length: int):
     """cos and sin ``[length, head_dim]`` for positions ``start .. start + length - 1``."""
-    positions = torch.arange(start, start + length, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]
+    return cos_sin_at(inv_freq, scaling, torch.arange(start, start + length))
+
+
+def cos_sin_at(inv_freq: torch.Tensor, scaling: float, positions: torch.Tensor):
+    """cos and sin ``[..., head_dim]`` for the positions ``[...]`` (each row its own, as
+    transformers' ``position_ids`` of a padded batch).
+
+    >>> cos, _ = cos_sin_at(torch.ones(2), 1.0, torch.tensor([[0, 1], [0, 0]]))
+    >>> tuple(cos.shape), float(cos[1, 1, 0])
+    ((2, 2, 4), 1.0)
+    """
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos() * scaling, emb.sin() * scaling
 
