@@ -93,6 +93,13 @@ def test_steps_match_torch_optim_with_a_schedule(dp_tp, name, kwargs):
     _, counts = counted(lambda: opt.step())
     assert counts == {}
     assert c.issued - before == 1
+    # zero_grad: set_to_none=False zeroes each gradient in place, in its placements; the
+    # default (torch's) drops them
+    opt.zero_grad(set_to_none=False)
+    for p in model.parameters():
+        assert p.grad.placements == p.placements and not p.grad.to_torch().any()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_fully_shard_parameters_train_like_torch(live):
