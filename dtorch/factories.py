@@ -19,7 +19,8 @@ from .graph import mesh_or_default
 from .mesh import DeviceMesh
 from .runtime import messages as m
 from .runtime import session
-from .tensor import DTensor, make_spec
+from .tensor import DTensor
+from .spec import make_spec
 
 _RANDOM = ("rand", "randn", "randint", "randperm")
 

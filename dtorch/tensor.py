@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 from functools import lru_cache
-from typing import NamedTuple
 
 import torch
 
@@ -26,31 +25,12 @@ from .mesh import DeviceMesh, RankTuple
 from .placement import Partial, Placement, Replicate, Shard, format_placements
 from .redistribute import plan_redistribute
 from .runtime import messages as m
+from .spec import TensorSpec, make_spec  # noqa: F401 - re-exported
 from .runtime import session
 from .runtime.wire import WireFormatError, unpack
 from .tensor_protocol import TensorProtocol
 
 _REPR_MAX_ELEMENTS = 1 << 22
-
-
-class TensorSpec(NamedTuple):
-    """A DTensor's metadata: global shape, dtype, mesh and normalized placements."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-
-
-def make_spec(shape, dtype, mesh, placements) -> TensorSpec:
-    """Validate and normalize; placements default to all Replicate."""
-    if not isinstance(mesh, DeviceMesh):
-        raise PlacementValueError(f"device_mesh must be a dtorch.DeviceMesh; got {mesh!r}")
-    shape = tuple(int(s) for s in shape)
-    if placements is None:
-        placements = (Replicate(),) * mesh.ndim
-    return TensorSpec(shape, dtype, mesh, layout.normalize_placements(placements, mesh,
-                                                                      len(shape)))
 
 
 class DTensor(TensorProtocol):

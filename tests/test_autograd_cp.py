@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import dtorch
 from dtorch import DeviceMesh, Replicate, Shard, init_device_mesh
 from dtorch.ops.cp_ring_backward import plan_ring_backward
-from dtorch.tensor import make_spec
+from dtorch.spec import make_spec
 from ledgers import counted
 
 R = Replicate()

@@ -199,7 +199,7 @@ def test_exchange_and_shift_tables_are_planned_from_the_layout():
 
 
 def test_ring_plan_posts_each_shift_before_the_compute_and_drops_old_blocks():
-    from dtorch.tensor import TensorSpec
+    from dtorch.spec import TensorSpec
     mesh = init_device_mesh("cpu", 4, mesh_dim_names=("ring_cp",))
     spec = lambda shape: TensorSpec(shape, torch.float32, mesh, (S2,))  # noqa: E731
     plan = cp_attention.plan_cp_attention(spec((1, 2, 8, 4)), spec((1, 2, 8, 4)), spec((1, 2, 8, 4)),
@@ -246,7 +246,7 @@ def _live_pairs(plan) -> dict:
 def test_causal_ring_work_is_balanced_by_the_zig_zag_layout():
     """Contiguous blocks would give rank i of the ring i + 1 blocks (1, 2, 3, 4); in the
     zig-zag layout (rank i holds chunks i and 2n-1-i of 2n) every rank computes the same."""
-    from dtorch.tensor import TensorSpec
+    from dtorch.spec import TensorSpec
     mesh = init_device_mesh("cpu", 4, mesh_dim_names=("ring_cp",))
     spec = lambda shape: TensorSpec(shape, torch.float32, mesh, (S2,))  # noqa: E731
     plan = cp_attention.plan_cp_attention(spec((1, 2, 64, 4)), spec((1, 2, 64, 4)),

@@ -130,7 +130,7 @@ def test_ranking_is_by_bytes_then_the_rules_order(m4):
     """Pure: explain.ranked sorts alternatives by the planner's bytes; equal bytes keep the
     order the rule gave (softmax's all_to_all before its all_gather)."""
     from dtorch.ops.registry import TArg
-    from dtorch.tensor import make_spec
+    from dtorch.spec import make_spec
     x = TArg(0, "input", make_spec((8, 4), torch.float32, m4, [Shard(0)]))
     m = TArg(1, "other", make_spec((4,), torch.float32, m4, [Partial()]))
     gather, reduce = {x: (R,)}, {m: (R,)}

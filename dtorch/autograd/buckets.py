@@ -31,6 +31,7 @@ from .. import comm_debug, layout
 from ..placement import Partial, Replicate, Shard
 from ..redistribute import plan_redistribute
 from ..runtime import messages as m
+from ..spec import make_spec
 
 _CAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # AutogradMeta -> bytes
 OVERLAP = True  # False: each bucket's all_reduce in the stream (bench/train_llama.py compares)
@@ -133,7 +134,6 @@ def start_bucket(items: list, key: tuple) -> StartedBucket:
     posted without waiting (``StartReduce``: the rest of the backward runs while it moves),
     or, when the gradients are Partial on several mesh dims, the planned redistribute."""
     from ..local_call import run_local
-    from ..tensor import make_spec
     mesh, src, target, dtype, _ = key
     grads = [item[2] for item in items]
     coord = mesh.get_coordinate(mesh.ranks[0])
@@ -156,7 +156,7 @@ def start_bucket(items: list, key: tuple) -> StartedBucket:
 def _start_all_reduce(flat, step, target):
     """Issue ``StartReduce`` for ``flat`` (counted now, as the ranks count it when posted);
     the returned handle holds the reduction in flight until ``FinishReduce``."""
-    from ..tensor import DTensor, make_spec
+    from ..tensor import DTensor
     c, spec = flat._live(), flat._spec
     out = c.new_tid()
     c.issue(m.StartReduce(out, flat._tid, spec.shape, spec.dtype, spec.mesh, step,
@@ -169,7 +169,6 @@ def finish_bucket(bucket: StartedBucket) -> dict:
     """Wait for the bucket's reduction on the ranks and unpack it into one gradient per
     item: ``{id(meta): reduced gradient}``."""
     from ..local_call import run_local
-    from ..tensor import make_spec
     mesh, _, target, dtype, _ = bucket.key
     flat = bucket.flat
     if bucket.in_flight:

@@ -368,7 +368,8 @@ def _accumulate(meta: AutogradMeta, g, is_users: bool, deferred: bool = False) -
 
 def _op_backward(node: Node, grads: dict, retain: bool) -> list:
     """One ``Backward`` instruction on every rank of the node's mesh."""
-    from ..tensor import DTensor, make_spec
+    from ..tensor import DTensor
+    from ..spec import make_spec
     c, mesh = node.controller, node.mesh
     carried = [node.out_specs[i].placements for i in grads]
     out_scales = tuple(cotangent.incoming_scale(mesh.shape, s.placements)

@@ -19,6 +19,7 @@ import torch
 from .. import comm_debug
 from ..placement import Shard
 from ..runtime import messages as m
+from ..spec import make_spec
 from . import cotangent
 from .node import Node, edge_of, mark_output
 
@@ -58,7 +59,6 @@ def ring_attention(c, bound):
     name), recorded: returns the output, whose node's backward is the ring backward."""
     from ..ops.cp_attention import cp_dims
     from ..ops.dispatch import _wrap
-    from ..tensor import make_spec
     from .record import requires, _unique
     q, k, v, mask = bound["query"], bound["key"], bound["value"], bound.get("attn_mask")
     mesh = q.device_mesh
@@ -97,7 +97,7 @@ class RingBackward:
     def __call__(self, node: Node, grads: dict, retain: bool) -> list:
         """Issue the backward plan for the output's gradient ``grads[0]``; returns one
         gradient per input of ``node`` (an input given twice, as ``q is k``, gets the sum)."""
-        from ..tensor import DTensor, make_spec
+        from ..tensor import DTensor
         c, mesh = node.controller, node.mesh
         q, k, v, out, _ = self.saved[:5]
         plan = _backward_plan(*self.config, self.needs)

@@ -74,7 +74,8 @@ def from_pretrained(cls, path, device_mesh=None, **config_overrides):
     """``cls(config, device_mesh)`` with every parameter read on the ranks from the
     checkpoint at ``path`` (its ``config.json``, with ``config_overrides``)."""
     from ..local_call import run_local
-    from ..tensor import DTensor, make_spec
+    from ..tensor import DTensor
+    from ..spec import make_spec
     path = os.fspath(path)
     files = weight_files(path)
     model = cls(_config(path, config_overrides), device_mesh=device_mesh)

@@ -18,7 +18,8 @@ import torch
 from .. import layout
 from ..runtime import messages as m
 from ..runtime import session
-from ..tensor import DTensor, make_spec
+from ..tensor import DTensor
+from ..spec import make_spec
 
 
 def load_value(value, like: DTensor) -> DTensor:

@@ -158,7 +158,7 @@ def _masks(op) -> list:
 def _mask_narrowing(op, q, k, out, where, mask) -> dict:
     """The narrowing ``mask`` needs (``{where: (TArg, target placements)}``); raises unless it
     is Replicate or sharded like the attention weights."""
-    from ..tensor import TensorSpec
+    from ..spec import TensorSpec
     shape = op.out.shapes[0][:-1] + (k.shape[-2],)
     scores = tuple(R if p.is_partial() else p for p in out)  # a Partial value: scores are R
     pseudo = TArg(-1, "attention scores", TensorSpec(shape, q.dtype, q.mesh, scores))

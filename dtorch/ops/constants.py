@@ -35,7 +35,8 @@ from ..errors import MixedTensorError
 from ..placement import Replicate
 from ..runtime import messages as m
 from ..runtime import session
-from ..tensor import DTensor, make_spec
+from ..tensor import DTensor
+from ..spec import make_spec
 
 
 class PlainTensor(Exception):

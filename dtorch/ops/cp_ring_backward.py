@@ -18,7 +18,7 @@ wholly in a query piece's future are skipped. Only the gradients asked for are c
 moved. Example::
 
     >>> from dtorch import init_device_mesh, Shard
-    >>> from dtorch.tensor import make_spec
+    >>> from dtorch.spec import make_spec
     >>> import torch
     >>> mesh = init_device_mesh("cpu", 2, mesh_dim_names=("ring_cp",))
     >>> q = make_spec((1, 2, 8, 4), torch.float32, mesh, [Shard(2)])

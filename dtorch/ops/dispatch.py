@@ -22,7 +22,8 @@ from ..autograd.record import NOT_RECORDED, record_call, wants_grad
 from ..errors import PlacementError, UnsupportedOpError
 from ..runtime import messages as m
 from ..runtime import session
-from ..tensor import DTensor, make_spec
+from ..tensor import DTensor
+from ..spec import make_spec
 from ..placement import Replicate
 from . import constants, derived, generic, value_shapes
 from .infer import Outputs, describe, rebuild, to_meta, to_zeros

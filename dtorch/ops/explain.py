@@ -19,7 +19,7 @@ reads. Example message (``x * x.sum(0)``, x ``Shard(0)`` of shape (10, 3))::
     "[Shard(0), Replicate(), Partial('max')]"
     >>> import torch
     >>> from dtorch.ops.registry import TArg
-    >>> from dtorch.tensor import make_spec
+    >>> from dtorch.spec import make_spec
     >>> mesh = init_device_mesh("cpu", 4)
     >>> x = TArg(0, "input", make_spec((10, 3), torch.float32, mesh, [Shard(0)]))
     >>> m = TArg(1, "other", make_spec((3,), torch.float32, mesh, [Partial()]))

@@ -17,7 +17,7 @@ import torch
 
 from ..placement import Replicate, Shard
 from ..runtime.messages import Coord
-from ..tensor import TensorSpec
+from ..spec import TensorSpec
 from .binary import elementwise_placements, narrow_table, sliced_call
 from .explain import with_dim
 from .infer import to_meta

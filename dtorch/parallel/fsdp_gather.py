@@ -22,7 +22,8 @@ from ..autograd.node import Node, edge_of, mark_output
 from ..local_call import run_local
 from ..placement import Partial, Replicate, Shard
 from ..runtime import messages as m
-from ..tensor import DTensor, make_spec
+from ..tensor import DTensor
+from ..spec import make_spec
 from . import fsdp_kernels
 from .fsdp_kernels import FlatLayout
 
