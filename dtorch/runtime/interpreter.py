@@ -15,7 +15,7 @@ import pickle
 import time
 import traceback
 from collections import Counter
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -25,11 +25,11 @@ from ..redistribute import COLLECTIVES
 from . import messages as m
 from .buffers import BufferPool
 from .wire import pack, unpack
-from .collectives import (InFlight, StepContext, collective_calls, finish_all_reduce,
-                          is_comm_failure, run_step, send_recv, start_all_reduce)
+from .collectives import StepContext, collective_calls, is_comm_failure, run_step, send_recv
 from .composite import run_composite
 from . import random_masks
 from .local_graphs import LocalGraph, LocalGraphs, tensors_of as _tensors_of  # noqa: F401
+from .reductions_in_flight import ReductionsInFlight, Started
 from .poison import Poison, RemoteFailure  # noqa: F401 - re-exported: the interpreter's values
 
 
@@ -71,14 +71,6 @@ _OUTPUTS = {m.Create: lambda i: (i.tid,), m.Load: lambda i: (i.tid,),
             m.StartReduce: lambda i: (i.out,), m.FinishReduce: lambda i: (i.tid,)}
 
 
-class _Started(NamedTuple):
-    """A store entry: an all_reduce in flight (``StartReduce``) and its input's Poison."""
-
-    pending: InFlight
-    poison: Poison | None
-    at: int  # the rank's instruction count when it started
-
-
 def _outputs_of(instr) -> tuple[int, ...]:
     """The tensor ids an instruction writes."""
     outputs = _OUTPUTS.get(type(instr))
@@ -93,7 +85,7 @@ def describe_result(value):
                   if isinstance(v, torch.Tensor) else ("value", v) for v in leaves]
 
 
-class Interpreter(LocalGraphs):
+class Interpreter(LocalGraphs, ReductionsInFlight):
     """One rank's store and instruction loop body."""
 
     def __init__(self, rank: int, group_of: Callable[[tuple[int, ...]], object],
@@ -225,14 +217,10 @@ class Interpreter(LocalGraphs):
             self.store[instr.tid] = unpack(self._staged[instr.tid]).to(self.device)
 
     def _redistribute(self, instr: m.Redistribute):
-        if self.rank not in instr.ranks:
+        got = self._collective_input(instr, instr.steps[0].before, "redistribute")
+        if got is None:
             return
-        if self.broken is not None:  # never start a collective the peers may not be in
-            self.store[instr.out] = Poison(self.broken)
-            return
-        coord = instr.mesh.get_coordinate(self.rank)
-        value, poison = self._input_or_placeholder(instr, instr.steps[0].before, coord,
-                                                  "redistribute")
+        coord, value, poison = got
         ctx = StepContext(self.rank, instr.shape, instr.dtype, instr.mesh,
                           instr.dst_mesh or instr.mesh, self.group_of, self.device, self.pool)
         try:
@@ -258,10 +246,18 @@ class Interpreter(LocalGraphs):
         if value is not None or poison is not None:
             self.store[instr.out] = poison if poison is not None else value
 
-    def _input_or_placeholder(self, instr, placements, coord, op: str) -> tuple:
-        """``(local shard of instr.src, its Poison or None)``; a poisoned or missing shard
-        is replaced by zeros of the shape the metadata gives, so this rank still takes part
-        in the collective (its flag set)."""
+    def _collective_input(self, instr, placements, op: str) -> tuple | None:
+        """``(coord, local shard of instr.src, its Poison or None)`` for a collective
+        instruction; a poisoned or missing shard is replaced by zeros of the shape the
+        metadata gives, so this rank still takes part (its flag set). None when this rank
+        does not run it, or is broken (its output poisoned with that, no collective started:
+        the peers may not be in it)."""
+        if self.rank not in instr.ranks:
+            return None
+        if self.broken is not None:
+            self.store[instr.out] = Poison(self.broken)
+            return None
+        coord = instr.mesh.get_coordinate(self.rank)
         value = self.store.get(instr.src)
         poison = value if isinstance(value, Poison) else None
         if poison is not None or (value is None and coord is not None):
@@ -269,52 +265,7 @@ class Interpreter(LocalGraphs):
                 poison = self._fail(op, KeyError(f"tensor {instr.src} not found"))
             value = torch.zeros(layout.local_shape(instr.shape, instr.mesh, placements, coord),
                                 dtype=instr.dtype, device=self.device)
-        return value, poison
-
-    def _start_reduce(self, instr: m.StartReduce):
-        """Post the all_reduce and keep it in flight under ``instr.out`` (with the input's
-        poison, if any: the flag went out set, the result is poisoned when it lands)."""
-        if self.rank not in instr.ranks:
-            return
-        if self.broken is not None:  # never start a collective the peers may not be in
-            self.store[instr.out] = Poison(self.broken)
-            return
-        coord = instr.mesh.get_coordinate(self.rank)
-        value, poison = self._input_or_placeholder(instr, instr.step.before, coord, "all_reduce")
-        ctx = StepContext(self.rank, instr.shape, instr.dtype, instr.mesh, instr.mesh,
-                          self.group_of, self.device, self.pool)
-        try:
-            pending = start_all_reduce(instr.step, value, ctx, poison is not None)
-        except Exception as exc:  # noqa: BLE001
-            self.store[instr.out] = poison or self._collective_failure("all_reduce", exc)
-            return
-        self.counts[instr.step.kind] += 1
-        self.store[instr.out] = _Started(pending, poison, self.instructions)
-
-    def _finish_reduce(self, instr: m.FinishReduce):
-        if self.rank not in instr.ranks:
-            return
-        started = self.store.get(instr.tid)
-        if not isinstance(started, _Started):  # poisoned at the start, or never started
-            self.store[instr.tid] = started if isinstance(started, Poison) else self._fail(
-                "all_reduce", KeyError(f"no all_reduce in flight for tensor {instr.tid}"))
-            return
-        self.store[instr.tid] = self._landed(started)
-
-    def _landed(self, started: "_Started"):
-        """Wait for a started reduction: its result, or the Poison it carries."""
-        self.beside_reductions += self.instructions - started.at - 1
-        try:
-            value, peer = finish_all_reduce(started.pending)
-        except Exception as exc:  # noqa: BLE001 - a timeout or a lost peer
-            return started.poison or self._collective_failure("all_reduce", exc)
-        if started.poison is not None:
-            return started.poison
-        if peer is not None:
-            return Poison(RemoteFailure(
-                self.rank, "all_reduce", "a peer's input to this all_reduce came from a failed "
-                "op; dtorch.synchronize() raises that failure with its traceback", ""))
-        return value
+        return coord, value, poison
 
     def _resolve(self, obj, subst=None):
         if isinstance(obj, m.Ref):
@@ -456,7 +407,7 @@ class Interpreter(LocalGraphs):
         for tid in instr.tids:
             self.graphs.pop(tid, None)  # a node id: the controller dropped its graph
             value = self.store.pop(tid, None)
-            if isinstance(value, _Started):  # the backend still writes its buffer
+            if isinstance(value, Started):  # the backend still writes its buffer
                 self._landed(value)
             elif isinstance(value, torch.Tensor) and value.layout == torch.strided:
                 self.pool.give_back(value)  # reused only if nothing else can reach it
