@@ -318,6 +318,27 @@ def serve_timings(rank: int, commands, results, time_case) -> None:
     dist.destroy_process_group()
 
 
+def serve_steps(rank: int, commands, results, setup) -> None:
+    """A reference rank's loop for the training benches: a command is ``(*key, n)``;
+    ``setup(*key)`` runs once per key and gives ``(step, check)``; ``n == 0`` puts ``check``
+    (rank 0's: what the two sides compare) on ``results``, else ``n`` steps are timed between
+    barriers. Pair it with ``ReferenceRanks.check``."""
+    setups = {}
+
+    def timed(cmd):
+        *key, n = cmd
+        if tuple(key) not in setups:
+            setups[tuple(key)] = setup(*key)
+        step, check = setups[tuple(key)]
+        if n == 0:
+            if rank == 0:
+                results.put(check)
+            return 0.0
+        return barrier_timed(step, n)
+
+    serve_timings(rank, commands, results, timed)
+
+
 def _reference_rank(rank: int, port: int, commands, results, rank_main, world: int) -> None:
     """A spawned reference rank: joins the gloo group, reports every rank's settings (rank 0
     puts them on ``results``), then runs ``rank_main(rank, commands, results)``."""
@@ -362,6 +383,14 @@ class ReferenceRanks:
                 return self.results.get(timeout=2)
             except queue.Empty:
                 self.procs.join(timeout=0)  # raises ProcessRaisedException if one failed
+
+    def check(self, *key):
+        """What ``serve_steps``'s setup of ``key`` gave to compare (then its zero timing)."""
+        for q in self.commands:
+            q.put(key + (0,))
+        value = self.get()
+        self.get()
+        return value
 
     def ask(self, *command):
         """Sends ``command`` to every rank; returns the result (rank 0's)."""

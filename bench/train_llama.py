@@ -30,8 +30,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, barrier_timed, dtorch_cluster,  # noqa: E402
-                     dtorch_rank_settings, main, serve_timings, take_turns)
+from _common import (ReferenceRanks, Row, dtorch_cluster, dtorch_rank_settings,  # noqa: E402
+                     main, serve_steps, take_turns)
 from llama_vs_dtensor import CONFIG, hf_model, lean_model, tp_plan  # noqa: E402
 
 WORLD, DP = 4, 2
@@ -87,32 +87,12 @@ def _torch_setup(seq: int):
 
 
 def _rank_main(rank: int, commands, results) -> None:
-    setups = {}
-
-    def timed(cmd):
-        seq, n = cmd
-        if seq not in setups:
-            setups[seq] = _torch_setup(seq)
-        step, losses = setups[seq]
-        if n == 0:  # the warm-up losses, for the comparison
-            if rank == 0:
-                results.put(losses)
-            return 0.0
-        return barrier_timed(step, n)
-
-    serve_timings(rank, commands, results, timed)
+    serve_steps(rank, commands, results, _torch_setup)
 
 
 class TorchRanks(ReferenceRanks):
     def __init__(self, settings: dict):
         super().__init__(_rank_main, WORLD, settings, "train_llama")
-
-    def warmup_losses(self, seq: int) -> list:
-        for q in self.commands:
-            q.put((seq, 0))
-        losses = self.get()
-        self.get()  # the (zero) timing that follows
-        return losses
 
     def time(self, seq: int, n: int) -> dict:
         return {"ref": self.ask(seq, n)}
@@ -164,7 +144,7 @@ def measure(seq: int, repeats: int) -> tuple[dict, dict]:
     from dtorch import init_device_mesh
     with dtorch_cluster(WORLD), TorchRanks(dtorch_rank_settings()) as ref:
         mesh = init_device_mesh("cpu", (DP, WORLD // DP), mesh_dim_names=("dp", "tp"))
-        want = ref.warmup_losses(seq)
+        want = ref.check(seq)  # the reference's warm-up losses
         default, small = dtorch_setup(seq, mesh), dtorch_setup(seq, mesh, bucket_cap_mb=1)
         got = [default().item() for _ in range(WARMUP)]
         for _ in range(WARMUP):

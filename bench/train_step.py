@@ -33,8 +33,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, barrier_timed, dtorch_cluster,  # noqa: E402
-                     dtorch_rank_settings, main, serve_timings, take_turns)
+from _common import (ReferenceRanks, Row, dtorch_cluster, dtorch_rank_settings,  # noqa: E402
+                     main, serve_steps, take_turns)
 
 WORLD = 4
 ROWS_PER_RANK = 64
@@ -103,46 +103,31 @@ def first_gradients(model, x, whole) -> list:
     return grads
 
 
-def _rank_main(rank: int, commands, results) -> None:
+def _rank_setup(mode: str, d: int, hidden: int):
+    """``(step, check)`` on a reference rank: the check is the first gradients and the
+    parameters after the warm-up."""
     import torch.distributed as dist
-    setups = {}
+    model, opt = _torch_setup(mode, d, hidden)
+    x = rows_of(mode, batch(d), dist.get_rank())
 
-    def timed(cmd):
-        mode, d, hidden, n = cmd
-        key = (mode, d, hidden)
-        if key not in setups:
-            model, opt = _torch_setup(mode, d, hidden)
-            x = rows_of(mode, batch(d), dist.get_rank())
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
 
-            def step():
-                opt.zero_grad()
-                model(x).square().mean().backward()
-                opt.step()
+    grads = first_gradients(model, x, _full)
+    for _ in range(WARMUP):
+        step()
+    return step, (grads, [_full(p) for p in model.parameters()])
 
-            grads = first_gradients(model, x, _full)
-            for _ in range(WARMUP):
-                step()
-            setups[key] = step, (grads, [_full(p) for p in model.parameters()])
-        step, after_warmup = setups[key]
-        if n == 0:  # the parameters after the warm-up, for the comparison
-            if rank == 0:
-                results.put(after_warmup)
-            return 0.0
-        return barrier_timed(step, n)
 
-    serve_timings(rank, commands, results, timed)
+def _rank_main(rank: int, commands, results) -> None:
+    serve_steps(rank, commands, results, _rank_setup)
 
 
 class TorchRanks(ReferenceRanks):
     def __init__(self, settings: dict):
         super().__init__(_rank_main, WORLD, settings, "train_step")
-
-    def after_warmup(self, mode: str, d: int, hidden: int) -> list:
-        for q in self.commands:
-            q.put((mode, d, hidden, 0))
-        params = self.get()
-        self.get()  # the (zero) timing that follows
-        return params
 
     def time(self, mode: str, d: int, hidden: int, n: int) -> dict:
         return {f"ref_{mode}": self.ask(mode, d, hidden, n)}
@@ -186,7 +171,7 @@ def measure(quick: bool, repeats: int) -> dict:
         for d, hidden in sizes(quick):
             turns, counts = [], {}
             for mode in MODES:
-                want = ref.after_warmup(mode, d, hidden)
+                want = ref.check(mode, d, hidden)  # first gradients, warmed-up params
                 variants = [(mode, False)] + ([("dp_per_param", True)] if mode == "dp" else [])
                 for name, per_param in variants:
                     model, x, step = dtorch_setup(mode, d, hidden, mesh, per_param)
