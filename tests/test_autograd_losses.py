@@ -488,9 +488,7 @@ def test_llama_output_without_labels_and_bad_inputs(live, hf_llama):
     assert out.logits.placements == (R,)
     torch.testing.assert_close(out.logits.to_torch(), want_logits, atol=1e-5, rtol=1e-5)
     dtorch.synchronize()
-    padded = torch.ones_like(ids)
-    padded[1, -2:] = 0
-    refused(lambda: model(ids, attention_mask=padded), NotImplementedError,
-            "padding .* not supported yet")
+    refused(lambda: model(ids, attention_mask=torch.ones_like(ids)[:, 1:]), ValueError,
+            r"attention_mask must be \[batch, seen \+ seq\]")
     refused(lambda: model(ids, labels=labels[:, :5]), ValueError, "labels must have")
     torch.testing.assert_close(model(ids).logits.to_torch(), want_logits, atol=1e-5, rtol=1e-5)
