@@ -7,6 +7,7 @@ Not a benchmark itself; ``bench/run_all.py`` and each ``bench/<name>.py`` import
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import socket
@@ -320,14 +321,17 @@ def serve_timings(rank: int, commands, results, time_case) -> None:
 
 def serve_steps(rank: int, commands, results, setup) -> None:
     """A reference rank's loop for the training benches: a command is ``(*key, n)``;
-    ``setup(*key)`` runs once per key and gives ``(step, check)``; ``n == 0`` puts ``check``
-    (rank 0's: what the two sides compare) on ``results``, else ``n`` steps are timed between
-    barriers. Pair it with ``ReferenceRanks.check``."""
+    ``setup(*key)`` gives ``(step, check)`` and is kept until another key comes (one model
+    alive at a time); ``n == 0`` puts ``check`` (rank 0's: what the two sides compare) on
+    ``results``, else ``n`` steps are timed between barriers. Pair it with
+    ``ReferenceRanks.check``."""
     setups = {}
 
     def timed(cmd):
         *key, n = cmd
         if tuple(key) not in setups:
+            setups.clear()
+            gc.collect()
             setups[tuple(key)] = setup(*key)
         step, check = setups[tuple(key)]
         if n == 0:

@@ -169,8 +169,9 @@ def measure(quick: bool, repeats: int) -> dict:
     with dtorch_cluster(WORLD), TorchRanks(dtorch_rank_settings()) as ref:
         mesh = init_device_mesh("cpu", WORLD)
         for d, hidden in sizes(quick):
-            turns, counts = [], {}
-            for mode in MODES:
+            timings, counts = {}, {}
+            for mode in MODES:  # one mode's models alive at a time, on both sides (the
+                turns = []      # 2048-8192-2048 models of every mode at once ran out of memory)
                 want = ref.check(mode, d, hidden)  # first gradients, warmed-up params
                 variants = [(mode, False)] + ([("dp_per_param", True)] if mode == "dp" else [])
                 for name, per_param in variants:
@@ -185,8 +186,10 @@ def measure(quick: bool, repeats: int) -> dict:
                         step()
                     counts[name] = comm.get_comm_counts()
                     turns.append(_dtorch_turn(name, step))
+                    del model, x, step, grads, params
                 turns.append(lambda mode=mode: ref.time(mode, d, hidden, STEPS))
-            timings = take_turns(repeats, *turns)
+                timings.update(take_turns(repeats, *turns))
+                del turns, want
             out[(d, hidden)] = (timings, counts)
             r = {k: v.median * 1e3 for k, v in timings.items()}
             print(f"[train_step] {d}-{hidden}-{d}: " + "; ".join(

@@ -121,6 +121,23 @@ def test_retain_grad_and_hooks(mesh1d):
     refused(lambda: plain.register_hook(print), match="doesn't require gradient")
 
 
+def test_a_hook_on_an_activation_runs_after_its_handle_is_gone(mesh1d):
+    """As torch's: a hook registered on an intermediate inside a forward lives with the node
+    that made it, so it runs though nothing holds the activation any more."""
+    v = torch.randn(8, 4)
+    x = dtorch.tensor(v, device_mesh=mesh1d, placements=[Shard(0)], requires_grad=True)
+    seen = []
+
+    def forward(x):
+        h = x.exp()
+        h.register_hook(lambda g: seen.append(g.placements) or g * 2)
+        return h * 3
+
+    forward(x).sum().backward()
+    assert seen == [(Shard(0),)]
+    torch.testing.assert_close(x.grad.to_torch(), 6 * v.exp())
+
+
 def test_grad_modes_record_nothing(mesh1d):
     x = dtorch.randn(8, 4, device_mesh=mesh1d, placements=[Shard(0)], requires_grad=True)
     with torch.no_grad():

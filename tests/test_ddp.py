@@ -220,3 +220,41 @@ def test_a_layer_used_twice_a_hook_and_clipping_on_bucketed_gradients(live):
     ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
     torch.testing.assert_close(total.to_torch(), ref_total)
     _check_grads(model.module, ref)
+
+
+class _Raising(torch.nn.Module):
+    """Registers a hook on the activation between the layers that raises in backward."""
+
+    def forward(self, h):
+        if isinstance(h, dtorch.DTensor) and h.requires_grad:
+            h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("hook failed")))
+        return h
+
+
+def test_a_backward_that_fails_after_a_bucket_started_leaves_nothing_in_flight(live):
+    """The last two layers' bucket is posted, then a hook in the middle raises: the posted
+    all_reduce is finished on the ranks (none left in flight, no rank waiting), and the next
+    step (the hook gone) gives torch's gradients."""
+    torch.manual_seed(2)
+    lin = [torch.nn.Linear(16, 16) for _ in range(4)]
+    ref = torch.nn.Sequential(lin[0], torch.nn.Tanh(), lin[1], torch.nn.Identity(), lin[2],
+                              torch.nn.Tanh(), lin[3])
+    raising = copy.deepcopy(ref)
+    raising[3] = _Raising()
+    model = dtorch.DistributedDataParallel(raising, device_mesh=init_device_mesh("cpu", 4),
+                                           bucket_cap_mb=2 * LAYER_BYTES / 2**20)
+    x = torch.randn(8, 16)
+    with dtorch.CommDebugMode() as mode, pytest.raises(RuntimeError, match="hook failed") \
+            as failed:
+        model(x).square().mean().backward()
+    assert mode.get_comm_counts() == {"all_reduce": 1}  # the first bucket had started
+    dtorch.synchronize()
+    # finished though the traceback (kept here, as a notebook keeps the last one) still
+    # holds the backward's buckets
+    assert [s["in_flight"] for s in dtorch.rank_stats()] == [0, 0, 0, 0]
+    del failed
+    model.module[3] = torch.nn.Identity()
+    model.zero_grad()
+    model(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    _check_grads(model.module, ref)

@@ -8,6 +8,7 @@ import torch
 import dtorch
 from dtorch import init_device_mesh
 from dtorch.models import LlamaForCausalLM
+from dtorch.runtime import session
 
 transformers = pytest.importorskip("transformers")
 
@@ -152,6 +153,25 @@ def test_a_padded_batch_matches_transformers(live, hf_model, tokens, shape, name
     # the padded row alone, unpadded, generates the same tokens (the pads change nothing)
     alone = model.generate(tokens[:1, 3:], max_new_tokens=5)
     assert torch.equal(got[0, 3:], alone[0])
+
+
+def test_position_ids_as_transformers_takes_them(live, hf_model, tokens):
+    """position_ids [1, seq] (broadcast over the batch) or [batch, seq] give transformers'
+    logits on dp x tp; a wrong shape raises before anything is sent."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = LlamaForCausalLM(hf_model.config, device_mesh=mesh)
+    model.load_state_dict(hf_model.state_dict())
+    for positions in (torch.arange(3, 15)[None], torch.stack([torch.arange(12),
+                                                              torch.arange(5, 17)])):
+        with torch.no_grad():
+            want = hf_model(tokens, position_ids=positions).logits
+        torch.testing.assert_close(model(tokens, position_ids=positions).logits.to_torch(),
+                                   want, atol=1e-4, rtol=0)
+    dtorch.synchronize()
+    before = session.get_controller().issued
+    with pytest.raises(ValueError, match=r"position_ids must be \[batch or 1, seq\]"):
+        model(tokens, position_ids=torch.arange(11)[None])
+    assert session.get_controller().issued == before
 
 
 def test_padding_with_a_context_parallel_dim_is_refused(live, hf_model, tokens):

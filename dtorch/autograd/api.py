@@ -99,6 +99,8 @@ def register_hook(x, hook) -> RemovableHandle:
         raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
     if meta.hooks is None:
         meta.hooks = OrderedDict()
+        if meta.grad_fn is not None:  # kept by the node: the handle may go first
+            meta.grad_fn.keep_hooks(meta.output_nr, meta.hooks)
     handle = RemovableHandle(meta.hooks)
     meta.hooks[handle.id] = hook
     return handle

@@ -105,10 +105,24 @@ class Bucketer:
         for key, (items, _) in self.open.items():
             self.started.append(start_bucket(items, key))
         self.open.clear()
-        for bucket in self.started:
-            self.reduced.update(finish_bucket(bucket))
-        self.started.clear()
+        try:
+            for bucket in self.started:
+                self.reduced.update(finish_bucket(bucket))
+        finally:
+            self.started.clear()
         return self.reduced
+
+    def abandon(self) -> None:
+        """A backward that failed: the reductions already posted are finished on the ranks
+        (their buffers go back once the handles drop), nothing more starts.
+
+        >>> Bucketer().abandon()
+        """
+        self.open.clear()
+        started, self.started = self.started, []
+        for bucket in started:
+            if bucket.in_flight:
+                bucket.flat._live().issue(m.FinishReduce(bucket.flat._tid, bucket.key[0].ranks))
 
 
 def local_bytes(g) -> int:
@@ -119,12 +133,14 @@ def local_bytes(g) -> int:
 
 
 class StartedBucket(NamedTuple):
-    """A bucket whose reduction was issued: its items, each gradient's local shape, the
-    flat buffer being reduced and whether that is an all_reduce still to wait for."""
+    """A bucket whose reduction was issued: its leaves (``id(meta)``), each gradient's global
+    and local shape, the flat buffer being reduced and whether that is an all_reduce still to
+    wait for (the summed gradients themselves are not kept: the ranks free them once packed)."""
 
-    items: list
+    leaves: list
     key: tuple
     shapes: list
+    local_shapes: list
     flat: object  # DTensor
     in_flight: bool
 
@@ -146,11 +162,14 @@ def start_bucket(items: list, key: tuple) -> StartedBucket:
                                                           flat_src)])
     steps = plan_redistribute(mesh, flat._spec.shape, flat_src, flat_target, dtype.itemsize)
     names = [item[3] or "?" for item in items]
-    with comm_debug.gradient_of(f"bucket of {len(items)}: " + ", ".join(names)):
+    leaves, global_shapes = [id(item[0]) for item in items], [g.shape for g in grads]
+    del grads, items
+    with comm_debug.gradient_of(f"bucket of {len(leaves)}: " + ", ".join(names)):
         if OVERLAP and len(steps) == 1 and steps[0].kind == "all_reduce":
-            return StartedBucket(items, key, shapes, _start_all_reduce(flat, steps[0],
-                                                                       flat_target), True)
-        return StartedBucket(items, key, shapes, flat._move(mesh, flat_target), False)
+            reduced, in_flight = _start_all_reduce(flat, steps[0], flat_target), True
+        else:
+            reduced, in_flight = flat._move(mesh, flat_target), False
+    return StartedBucket(leaves, key, global_shapes, shapes, reduced, in_flight)
 
 
 def _start_all_reduce(flat, step, target):
@@ -158,11 +177,11 @@ def _start_all_reduce(flat, step, target):
     the returned handle holds the reduction in flight until ``FinishReduce``."""
     from ..tensor import DTensor
     c, spec = flat._live(), flat._spec
-    out = c.new_tid()
-    c.issue(m.StartReduce(out, flat._tid, spec.shape, spec.dtype, spec.mesh, step,
-                          spec.mesh.ranks))
+    handle = DTensor._wrap(make_spec(spec.shape, spec.dtype, spec.mesh, target), c.new_tid(), c)
+    c.issue(m.StartReduce(handle._tid, flat._tid, spec.shape, spec.dtype, spec.mesh, step,
+                          spec.mesh.ranks))  # the handle first: nothing in flight is unowned
     comm_debug.record_steps((step,))
-    return DTensor._wrap(make_spec(spec.shape, spec.dtype, spec.mesh, target), out, c)
+    return handle
 
 
 def finish_bucket(bucket: StartedBucket) -> dict:
@@ -173,9 +192,9 @@ def finish_bucket(bucket: StartedBucket) -> dict:
     flat = bucket.flat
     if bucket.in_flight:
         flat._live().issue(m.FinishReduce(flat._tid, mesh.ranks))
-    outs = run_local(unpack_flat, (flat,), {"shapes": bucket.shapes},
-                     [make_spec(item[2].shape, dtype, mesh, target) for item in bucket.items])
-    return {id(item[0]): g for item, g in zip(bucket.items, outs)}
+    outs = run_local(unpack_flat, (flat,), {"shapes": bucket.local_shapes},
+                     [make_spec(shape, dtype, mesh, target) for shape in bucket.shapes])
+    return dict(zip(bucket.leaves, outs))
 
 
 def pack_flat(grads) -> torch.Tensor:

@@ -242,9 +242,9 @@ class _Walk:
                 g = combine(grads, node.incoming(i))
             else:
                 g = combine(grads, None)
+            g = _run_hooks(node.hooks_of(i), g)
             meta = node.output_meta(i)
             if meta is not None:
-                g = _run_hooks(meta, g)
                 if meta.retains_grad and self.targets is None:
                     meta.grad = g if meta.grad is None else meta.grad + g
             if self.targets is not None and (node.id, i) in self.targets:
@@ -275,7 +275,7 @@ class _Walk:
                     g = combine(grads, None)
                 else:
                     g = combine(grads, spec.placements)
-            g = _run_hooks(meta, g)  # what a user's hook runs is not the leaf's reduction
+            g = _run_hooks(meta.hooks, g)  # what a user's hook runs is not the leaf's reduction
             if capture:
                 self.captured[meta] = g
             if accumulate:
@@ -342,10 +342,10 @@ def combine(grads: list, target):
     return out
 
 
-def _run_hooks(meta: AutogradMeta, g):
-    if not meta.hooks:
+def _run_hooks(hooks, g):
+    if not hooks:
         return g
-    for hook in list(meta.hooks.values()):
+    for hook in list(hooks.values()):
         new = hook(g)
         if new is not None:
             g = new
@@ -441,9 +441,13 @@ def run_backward(tensors, grad_tensors=None, retain_graph=None, create_graph=Fal
     nodes, needed = _start(roots, targets)
     walk = _Walk(roots, bool(retain_graph), None, bucket_early=targets is None)
     with torch.no_grad(), comm_debug.phase("backward"):
-        walk.seed()
-        walk.run(nodes, needed)
-        walk.finish_leaves(targets)
+        try:
+            walk.seed()
+            walk.run(nodes, needed)
+            walk.finish_leaves(targets)
+        except BaseException:
+            walk.buckets.abandon()  # reductions already posted are waited for, then dropped
+            raise
 
 
 def run_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,

@@ -64,7 +64,7 @@ class Node:
 
     __slots__ = ("id", "_name", "controller", "mesh", "in_specs", "out_specs", "edges",
                  "out_metas", "released", "keeps_graph", "refusal", "saved", "backward",
-                 "pre_hooks", "partial_grads", "__weakref__")
+                 "pre_hooks", "partial_grads", "out_hooks", "__weakref__")
 
     def __init__(self, node_id: int, name: str, controller, mesh, in_specs, out_specs, edges,
                  keeps_graph: bool, refusal: str | None = None, backward=None):
@@ -79,6 +79,7 @@ class Node:
         self.backward = backward  # a composite's backward(node, grads, retain) -> grads, or None
         self.pre_hooks: list | None = None  # fn() run once its gradients are in, before it runs
         self.partial_grads = False  # its backward takes gradients as they come (Partial too)
+        self.out_hooks: dict | None = None  # output index -> its hooks (kept past the handle)
 
     def name(self) -> str:
         return self._name
@@ -90,6 +91,20 @@ class Node:
 
     def attach(self, index: int, meta: AutogradMeta) -> None:
         self.out_metas[index] = weakref.ref(meta)
+
+    def keep_hooks(self, index: int, hooks) -> None:
+        """Output ``index``'s hooks live with the node, as torch's do on a ``grad_fn``: a
+        hook registered on an activation inside a forward runs though its handle is gone."""
+        if self.out_hooks is None:
+            self.out_hooks = {}
+        self.out_hooks[index] = hooks
+
+    def hooks_of(self, index: int):
+        """The hooks registered on output ``index`` (None: none)."""
+        if self.out_hooks is not None and index in self.out_hooks:
+            return self.out_hooks[index]
+        meta = self.output_meta(index)
+        return meta.hooks if meta is not None else None
 
     def output_meta(self, index: int) -> AutogradMeta | None:
         ref = self.out_metas[index]

@@ -209,17 +209,16 @@ class LlamaForCausalLM(nn.Module):
                                           for t in (cos, sin))
         return self._rope_cache[key]
 
-    def _per_row(self, stage, keys, position_ids, start: int, length: int) -> tuple:
+    def _per_row(self, stage, keys, position_ids, start: int, ids_shape) -> tuple:
         """cos/sin ``[batch, 1, seq, head_dim]`` at each row's positions and the boolean
         attention mask ``[batch, 1, seq, seen + seq]`` (causal, padded keys masked: what
         transformers gives SDPA), batch on dp; the mask is None without padding."""
         place = activation_placements(stage, False)
-        positions = torch.as_tensor(position_ids.to_torch() if isinstance(position_ids, DTensor)
-                                    else position_ids) if position_ids is not None else \
+        rows, length = ids_shape
+        positions = position_ids if position_ids is not None else \
             torch.arange(start, start + length)[None]
         cos, sin = (t[:, None] for t in cos_sin_at(self._inv_freq, self._rope_scaling,
                                                      positions))
-        rows = _shape_of_batch(keys, positions)
         cos, sin = (distribute_tensor(t.expand(rows, -1, -1, -1).contiguous(), stage, place)
                     for t in (cos, sin))
         if keys is None:
@@ -259,6 +258,8 @@ class LlamaForCausalLM(nn.Module):
         each row's rotary positions. Neither goes with a context-parallel dim."""
         start = cache.length if cache is not None else 0
         keys = _padding_mask(attention_mask, _shape(input_ids), start)
+        if position_ids is not None:
+            position_ids = _positions(position_ids, _shape(input_ids))
         if labels is not None and _shape(labels) != _shape(input_ids):
             raise ValueError(f"labels must have input_ids' shape {_shape(input_ids)}; got "
                              f"{_shape(labels)}")
@@ -275,7 +276,7 @@ class LlamaForCausalLM(nn.Module):
             h = h.redistribute(device_mesh=stage)
             if per_row:
                 if stage not in extras:
-                    extras[stage] = self._per_row(stage, keys, position_ids, start, length)
+                    extras[stage] = self._per_row(stage, keys, position_ids, start, ids.shape)
                 cos, sin, mask = extras[stage]
                 h = layer(h, cos, sin, cache, mask)
                 continue
@@ -416,9 +417,15 @@ def _padding_mask(attention_mask, ids_shape, start: int):
     return None if bool((mask == 1).all()) else mask.bool()
 
 
-def _shape_of_batch(keys, positions) -> int:
-    """The batch size the per-row tensors take (positions may broadcast over it)."""
-    return keys.shape[0] if keys is not None else positions.shape[0]
+def _positions(position_ids, ids_shape) -> torch.Tensor:
+    """transformers' ``position_ids``: ``[batch or 1, seq]``, checked on the controller."""
+    rows, length = ids_shape[0], ids_shape[-1]
+    pos = torch.as_tensor(position_ids.to_torch() if isinstance(position_ids, DTensor)
+                          else position_ids)
+    if pos.dim() != 2 or pos.shape[0] not in (1, rows) or pos.shape[1] != length:
+        raise ValueError(f"position_ids must be [batch or 1, seq] = [{rows} or 1, {length}]; "
+                         f"got {list(pos.shape)}")
+    return pos
 
 
 def _generate_inputs(inputs, input_ids) -> torch.Tensor:

@@ -407,8 +407,8 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         for tid in instr.tids:
             self.graphs.pop(tid, None)  # a node id: the controller dropped its graph
             value = self.store.pop(tid, None)
-            if isinstance(value, Started):  # the backend still writes its buffer
-                self._landed(value)
+            if isinstance(value, Started):  # never finished (a failed backward's bucket)
+                self._drop_started(value)
             elif isinstance(value, torch.Tensor) and value.layout == torch.strided:
                 self.pool.give_back(value)  # reused only if nothing else can reach it
             del value
@@ -433,6 +433,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                 "counts": dict(self.counts), "instructions": self.instructions,
                 "random_values": self.random_values,
                 "beside_reductions": self.beside_reductions,
+                "in_flight": sum(isinstance(v, Started) for v in self.store.values()),
                 "pool_bytes": self.pool.held, "pool_reused": self.pool.reused,
                 "composite_peak_bytes": self.composite_peak_bytes,
                 "graphs": len(self.graphs),

@@ -1,7 +1,7 @@
 """All_reduces left in flight on a rank: ``StartReduce`` posts one (gloo's or NCCL's
 asynchronous collective, the poison flag inside its payload) and stores a ``Started`` under
 its output id; the rank runs its next instructions while the backend moves the data;
-``FinishReduce`` (or a ``Free`` of the id) waits for it. What gradient buckets use to overlap
+``FinishReduce`` waits for it (a ``Free`` of the id never waits: see ``_drop_started``). What gradient buckets use to overlap
 the backward. A mixin of the ``Interpreter``, which gives ``store``, ``counts``,
 ``instructions``, ``_collective_input``, ``_collective_failure`` and ``_fail``."""
 
@@ -66,3 +66,12 @@ class ReductionsInFlight:
                 self.rank, "all_reduce", "a peer's input to this all_reduce came from a failed "
                 "op; dtorch.synchronize() raises that failure with its traceback", ""))
         return value
+
+    def _drop_started(self, started: Started) -> None:
+        """A ``Free`` of a reduction never finished. A ``Free`` may run on the worker's event
+        loop, which must not wait for peers: a finished one is landed (its failure reported
+        by ``synchronize()``), one still moving is left to the backend, which keeps its buffer
+        until it is done."""
+        if started.pending.work.is_completed():
+            self._landed(started)
+

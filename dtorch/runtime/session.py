@@ -196,7 +196,8 @@ def rank_stats() -> list[dict]:
     ``random_values`` (the values dropout masks drew there: only the rank's own blocks),
     ``running`` (the instruction the rank is in right now, e.g. ``'Call(sleep)'``, or None),
     ``beside_reductions`` (instructions the rank ran while a gradient bucket's all_reduce was
-    in flight: the backward work that overlapped it).
+    in flight, summed over the buckets: the backward work that overlapped them),
+    ``in_flight`` (all_reduces posted and not yet finished: 0 between steps).
 
     >>> [s["bytes"] for s in dtorch.rank_stats()]              # doctest: +SKIP
     [400, 400, 400, 400]
