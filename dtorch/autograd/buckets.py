@@ -203,7 +203,8 @@ def pack_flat(grads) -> torch.Tensor:
     >>> pack_flat([torch.ones(2, 2), torch.zeros(3)]).tolist()
     [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     """
-    return torch.cat([g.reshape(-1) for g in grads])
+    from ..runtime.buffers import pooled_cat
+    return pooled_cat(g.reshape(-1) for g in grads)  # into a buffer from the rank's pool
 
 
 def unpack_flat(flat: torch.Tensor, shapes) -> tuple:

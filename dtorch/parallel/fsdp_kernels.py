@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from ..layout import chunk_sizes
+from ..runtime.buffers import pooled_cat
 from ..runtime.collectives import _pad
 
 
@@ -57,8 +58,9 @@ def flat_layout(shapes, n: int) -> FlatLayout:
 
 
 def pack_shards(*shards: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
-    """This rank's flat block: each shard padded to its ``step`` rows, flattened, in order."""
-    return torch.cat([_pad(s, 0, step).reshape(-1) for s, step in zip(shards, layout.steps)])
+    """This rank's flat block: each shard padded to its ``step`` rows, flattened, in order
+    (into a buffer from the rank's pool: a fresh one page-faults)."""
+    return pooled_cat(_pad(s, 0, step).reshape(-1) for s, step in zip(shards, layout.steps))
 
 
 def unpack_whole(flat: torch.Tensor, layout: FlatLayout) -> tuple:
@@ -78,7 +80,7 @@ def pack_whole(*grads: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
     reduce_scatter turns into each rank's flat block of the summed gradients."""
     parts = [_pad(g, 0, layout.n * step).reshape(layout.n, -1)
              for g, step in zip(grads, layout.steps)]
-    return torch.cat(parts, dim=1).reshape(-1)
+    return pooled_cat(parts, dim=1).reshape(-1)
 
 
 def unpack_shards(flat: torch.Tensor, coordinate, layout: FlatLayout) -> tuple:

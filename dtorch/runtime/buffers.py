@@ -76,3 +76,40 @@ class BufferPool:
             if not storages:
                 del self._free[size]
         return True
+
+
+_rank_pool: list = [None]  # this process's rank pool, once an Interpreter is made here
+
+
+def use_as_rank_pool(pool: BufferPool) -> None:
+    """Make ``pool`` the one ``rank_empty`` takes from (the rank's Interpreter does)."""
+    _rank_pool[0] = pool
+
+
+def rank_empty(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """For a rank-side kernel's large output: a buffer from the rank's pool (already mapped:
+    a fresh 8 MB buffer page-faults for longer than copying into it), else ``torch.empty``.
+
+    >>> rank_empty((2, 3), torch.float32).shape
+    torch.Size([2, 3])
+    """
+    pool = _rank_pool[0]
+    if pool is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return pool.empty(shape, dtype, device)
+
+
+def pooled_cat(tensors, dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` into a buffer from the rank's pool (``rank_empty``); autograd's own cat
+    where a part requires grad.
+
+    >>> pooled_cat([torch.ones(2), torch.zeros(1)]).tolist()
+    [1.0, 1.0, 0.0]
+    """
+    tensors = list(tensors)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return torch.cat(tensors, dim)
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    return torch.cat(tensors, dim, out=rank_empty(shape, tensors[0].dtype, tensors[0].device))
+

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from .. import layout
 from ..redistribute import COLLECTIVES
 from . import messages as m
-from .buffers import BufferPool
+from .buffers import BufferPool, use_as_rank_pool
 from .wire import pack, unpack
 from .collectives import StepContext, collective_calls, is_comm_failure, run_step, send_recv
 from .composite import run_composite
@@ -94,6 +94,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         self.rank = rank
         self.device = torch.device(device)
         self.pool = BufferPool()
+        use_as_rank_pool(self.pool)  # rank-side kernels' outputs (a bucket's pack) reuse it
         self.broken: RemoteFailure | None = None  # a collective timed out: restart() needed
         self.store: dict[int, torch.Tensor | Poison] = {}
         self.graphs: dict[int, LocalGraph | Poison] = {}  # node id -> kept local graph
