@@ -417,6 +417,23 @@ class ReferenceRanks:
         return False
 
 
+def dtorch_steps_turn(name: str, step, n: int):
+    """A ``take_turns`` turn: ``n`` calls of dtorch's ``step`` between two ``synchronize()``
+    (the controller issues ahead; the ranks' finish counts): ``{name: seconds per step}``."""
+    import time
+
+    import dtorch
+
+    def run():
+        dtorch.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        dtorch.synchronize()
+        return {name: (time.perf_counter() - t0) / n}
+    return run
+
+
 def take_turns(repeats: int, *turns) -> dict:
     """``repeats`` rounds of calling each of ``turns`` in order (one timed repeat each, so all
     see the same machine); each returns ``{name: seconds}``. ``{name: Timing}`` (median and

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (ReferenceRanks, Row, dtorch_cluster, dtorch_rank_settings,  # noqa: E402
-                     main, serve_steps, take_turns)
+                     dtorch_steps_turn, main, serve_steps, take_turns)
 from llama_vs_dtensor import CONFIG, hf_model, lean_model, tp_plan  # noqa: E402
 
 WORLD, DP = 4, 2
@@ -121,21 +120,16 @@ def dtorch_setup(seq: int, mesh, bucket_cap_mb: float | None = None):
     return step
 
 
-def _dtorch_turn(name: str, step, overlap: bool = True):
-    import dtorch
+def in_the_stream(step):
+    """``step`` with its buckets reduced in the instruction stream (``buckets.OVERLAP``)."""
     from dtorch.autograd import buckets
 
     def run():
-        buckets.OVERLAP = overlap
+        buckets.OVERLAP = False
         try:
-            dtorch.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(STEPS):
-                step()
-            dtorch.synchronize()
+            return step()
         finally:
             buckets.OVERLAP = True
-        return {name: (time.perf_counter() - t0) / STEPS}
     return run
 
 
@@ -155,10 +149,10 @@ def measure(seq: int, repeats: int) -> tuple[dict, dict]:
             with dtorch.CommDebugMode() as comm:
                 step()
             counts[name] = comm.get_comm_counts()
-        timings = take_turns(repeats, _dtorch_turn("dtorch", default),
+        timings = take_turns(repeats, dtorch_steps_turn("dtorch", default, STEPS),
                              lambda: ref.time(seq, STEPS),
-                             _dtorch_turn("overlapped", small),
-                             _dtorch_turn("in the stream", small, overlap=False))
+                             dtorch_steps_turn("overlapped", small, STEPS),
+                             dtorch_steps_turn("in the stream", in_the_stream(small), STEPS))
     r = {k: v.median * 1e3 for k, v in timings.items()}
     print(f"[train_llama] seq {seq}: dtorch {r['dtorch']:.1f} ms vs torch {r['ref']:.1f} ms "
           f"({counts['dtorch']}); 1 MB buckets overlapped {r['overlapped']:.1f} ms, in the "

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (ReferenceRanks, Row, dtorch_cluster, dtorch_rank_settings,  # noqa: E402
-                     main, serve_steps, take_turns)
+                     dtorch_steps_turn, main, serve_steps, take_turns)
 
 WORLD = 4
 ROWS_PER_RANK = 64
@@ -185,7 +184,7 @@ def measure(quick: bool, repeats: int) -> dict:
                     with dtorch.CommDebugMode() as comm:
                         step()
                     counts[name] = comm.get_comm_counts()
-                    turns.append(_dtorch_turn(name, step))
+                    turns.append(dtorch_steps_turn(name, step, STEPS))
                     del model, x, step, grads, params
                 turns.append(lambda mode=mode: ref.time(mode, d, hidden, STEPS))
                 timings.update(take_turns(repeats, *turns))
@@ -197,19 +196,6 @@ def measure(quick: bool, repeats: int) -> dict:
                 for m in MODES) + f"; dp with one all_reduce per gradient {r['dp_per_param']:.1f}"
                   f" ms", flush=True)
     return out
-
-
-def _dtorch_turn(name: str, step):
-    import dtorch
-
-    def run():
-        dtorch.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(STEPS):
-            step()
-        dtorch.synchronize()
-        return {name: (time.perf_counter() - t0) / STEPS}
-    return run
 
 
 def run(quick: bool = False) -> list[Row]:

@@ -31,6 +31,7 @@ from .. import comm_debug, layout
 from ..placement import Partial, Replicate, Shard
 from ..redistribute import plan_redistribute
 from ..runtime import messages as m
+from ..runtime.buffers import pooled_cat
 from ..spec import make_spec
 
 _CAPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # AutogradMeta -> bytes
@@ -203,7 +204,6 @@ def pack_flat(grads) -> torch.Tensor:
     >>> pack_flat([torch.ones(2, 2), torch.zeros(3)]).tolist()
     [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     """
-    from ..runtime.buffers import pooled_cat
     return pooled_cat(g.reshape(-1) for g in grads)  # into a buffer from the rank's pool
 
 

@@ -408,10 +408,11 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         for tid in instr.tids:
             self.graphs.pop(tid, None)  # a node id: the controller dropped its graph
             value = self.store.pop(tid, None)
-            if isinstance(value, Started):  # never finished (a failed backward's bucket)
+            if isinstance(value, torch.Tensor):
+                if value.layout == torch.strided:
+                    self.pool.give_back(value)  # reused only if nothing else can reach it
+            elif isinstance(value, Started):  # never finished (a failed backward's bucket)
                 self._drop_started(value)
-            elif isinstance(value, torch.Tensor) and value.layout == torch.strided:
-                self.pool.give_back(value)  # reused only if nothing else can reach it
             del value
 
     # introspection ---------------------------------------------------------------------------
