@@ -26,13 +26,16 @@ from .intern import InternTable, definitions, dumps
 # instructions that neither compute nor communicate: a rank whose batch holds only these may
 # run it on the worker's event loop when its interpreter is idle (reads answer sooner)
 QUICK = (m.Fetch, m.Sync, m.Free)
+REPLAY = True  # runs that repeat travel as a program id and their ids (tests turn it off)
 
 
 class Segment(NamedTuple):
-    """Consecutive instructions for the same ranks (None: every rank), pickled once."""
+    """Consecutive instructions for the same ranks (None: every rank), pickled once. ``wire``
+    is what the ranks receive: ``(bytes, ids)``, or ``(program id, ids)`` for a run that
+    repeated (``intern.py``: the program travels once per rank; ``replay.py`` runs it)."""
 
     targets: tuple | None
-    data: bytes
+    wire: tuple
     used: frozenset
     quick: bool
     count: int
@@ -42,13 +45,14 @@ class RankBatch(NamedTuple):
     """What one rank receives for one flush."""
 
     definitions: bytes | None
-    segments: tuple[bytes, ...]
+    segments: tuple[tuple, ...]
     quick: bool
     instructions: int
 
     @property
     def nbytes(self) -> int:
-        return len(self.definitions or b"") + sum(len(s) for s in self.segments)
+        """The bytes of its definitions, runs and ids (pickled as they travel)."""
+        return len(self.definitions or b"") + len(pickle.dumps(self.segments, protocol=5))
 
 
 def targets_of(instr) -> tuple | None:
@@ -68,9 +72,12 @@ def segments(pending: list, table: InternTable) -> list[Segment]:
             runs.append((t, [instr]))
     out = []
     for t, instrs in runs:
-        data, used = _pickled(instrs, table)
-        out.append(Segment(t, data, frozenset(used), all(type(i) in QUICK for i in instrs),
-                           len(instrs)))
+        data, used, ids = _pickled(instrs, table)
+        program = table.program(data) if REPLAY else None
+        if program is not None:
+            used, data = used | {program}, program
+        out.append(Segment(t, (data, ids), frozenset(used),
+                           all(type(i) in QUICK for i in instrs), len(instrs)))
     return out
 
 
@@ -114,7 +121,7 @@ def rank_batches(pending: list, table: InternTable, known: list) -> dict[int, Ra
             seen = known[members[0]]
             new = used - seen
             batch = RankBatch(definitions(table, sorted(new)) if new else None,
-                              tuple(s.data for s in mine), all(s.quick for s in mine),
+                              tuple(s.wire for s in mine), all(s.quick for s in mine),
                               sum(s.count for s in mine))
             now_known = seen | new if new else seen
             for r in members:
@@ -127,7 +134,7 @@ def _raise_unsendable(message: str):
     raise TypeError(message)
 
 
-def _pickled(instructions: list, table: InternTable) -> tuple[bytes, set]:
+def _pickled(instructions: list, table: InternTable) -> tuple[bytes, set, tuple]:
     """The segment as bytes; an instruction pickle cannot send becomes one that fails on the
     ranks with the reason (its outputs poisoned), so the rest of the batch still goes."""
     try:
@@ -149,12 +156,17 @@ def _pickled(instructions: list, table: InternTable) -> tuple[bytes, set]:
 
 
 def unpickle_segments(batch, rank_table: dict) -> list:
-    """On a rank: the instructions of a received batch, in order (definitions first)."""
+    """On a rank: the instructions of a received batch, in order (definitions first); a
+    repeated run stays one ``Run`` item (``replay.py``)."""
     from .intern import loads
+    from .replay import Run
     definitions_, segs = batch
     if definitions_:
         rank_table.update(pickle.loads(definitions_))
     out = []
-    for data in segs:
-        out.extend(loads(data, rank_table))
+    for data, ids in segs:
+        if type(data) is bytes:
+            out.extend(loads(data, rank_table, ids))
+        else:
+            out.append(Run(data, ids))
     return out

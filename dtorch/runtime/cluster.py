@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -18,6 +19,7 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from ..errors import ClusterError
+from .channel import TOKEN_BYTES
 from .interrupts import protect_workers
 
 
@@ -30,6 +32,8 @@ class RankInfo(NamedTuple):
     actor: object
     future: object
     device: str = "cpu"
+    channel: tuple | None = None  # (host, port) of the rank's channel (channel.py)
+    token: bytes = b""  # what the controller presents there (made per world)
 
 
 def free_port() -> int:
@@ -248,8 +252,8 @@ def _host(address: str) -> str:
 
 
 def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
-                      workers: list[str] | None = None, num_threads: int | None = None
-                      ) -> list[RankInfo]:
+                      workers: list[str] | None = None, num_threads: int | None = None,
+                      fanout: int = 0) -> list[RankInfo]:
     """Create one RankActor per worker and wait until the torch.distributed world is up.
 
     Every rank first connects once to rank 0's store socket and to every other host
@@ -259,11 +263,13 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
     workers = workers or worker_addresses(client)
     world = len(workers)
     key = f"dtorch-store-{time.time_ns()}"
+    token = secrets.token_bytes(TOKEN_BYTES)
     master, port = check_world_connects(client, workers, key, probe_timeout(timeout_s))
     devices = _devices(workers, backend)
     try:
         futures = [client.submit(RankActor, rank, world, master, port, backend, timeout_s,
                                  seed, num_threads, devices[rank], key if rank == 0 else None,
+                                 channel_token=token, fanout=fanout,
                                  actor=True, workers=[addr], allow_other_workers=False,
                                  pure=False, key=f"dtorch-rank-{rank}-{time.time_ns()}")
                    for rank, addr in enumerate(workers)]
@@ -271,12 +277,13 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
     except BaseException:  # rank 0's actor never took its store socket: close it
         _close_store_socket(client, workers[0], key)
         raise
-    ranks = [RankInfo(r, a, _host(a), actor, fut, devices[r])
+    ranks = [RankInfo(r, a, _host(a), actor, fut, devices[r], token=token)
              for r, (a, actor, fut) in enumerate(zip(workers, actors, futures))]
     with client.as_current():  # binds each actor handle to this (non-default) client
         readies = [ri.actor.ready() for ri in ranks]
+        channels = [ri.actor.channel_address() for ri in ranks]
     _raise_unless_ready(readies, timeout_s + 30)
-    return ranks
+    return [ri._replace(channel=tuple(c.result(timeout=30))) for ri, c in zip(ranks, channels)]
 
 
 def _close_store_socket(client, worker: str, key: str) -> None:

@@ -18,11 +18,14 @@ import os
 from collections import deque
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 
 from ..errors import ClusterError, InterpreterStuckError, RemoteError, WorkerLostError
 from . import messages as m
 from .batches import rank_batches
+from .channel import Batch, ChannelClosed, Channels, Health, Links
+from .fanout import block_of, plan_flush, sub_blocks
 from .cluster import exit_reason
 from .intern import InternTable
 from .interrupts import interrupts_held
@@ -54,23 +57,17 @@ def _quiet_logs() -> None:
     logging.getLogger("distributed").setLevel(logging.CRITICAL)
 
 
-async def _answers_of(futures: dict) -> dict:
-    """``{rank: (True, result) or (False, exception)}`` once every actor future is done, read
-    on the event loop: one hop for all of them (``ActorFuture.result()`` is a hop each)."""
-    out = {}
-    for rank, fut in futures.items():
-        try:
-            out[rank] = (True, await fut)
-        except Exception as exc:  # noqa: BLE001 - Controller.wait raises it as a lost worker
-            out[rank] = (False, exc)
-    return out
+def _outcome(fut: Future) -> tuple[bool, object]:
+    """``(True, result)`` or ``(False, exception)`` of a done future."""
+    exc = fut.exception()
+    return (False, exc) if exc is not None else (True, fut.result())
 
 
 class Controller:
     """Owns the cluster connection, the instruction stream and the ids of remote tensors."""
 
     def __init__(self, client, cluster, ranks, device_type: str, backend: str = "gloo",
-                 max_pending: int = 1000, poll_s: float = 0.5):
+                 max_pending: int = 1000, poll_s: float = 0.5, fanout: int = 0):
         self.client, self.cluster, self.ranks = client, cluster, ranks
         self.device_type, self.backend = device_type, backend
         self.world = len(ranks)
@@ -94,10 +91,18 @@ class Controller:
         self._meshes_ready: set = set()  # meshes checked and with their groups made
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dtorch-fetch")
+        self.fanout = fanout  # a larger world's flushes go through relays (fanout.py)
+        self.channels = Channels([info.channel for info in ranks], ranks[0].token) \
+            if client is not None and ranks and ranks[0].channel else None
+        if self.channels is not None and self._relayed():
+            self._link_relays()
 
     # ids and the stream ----------------------------------------------------------------------
-    def new_tid(self) -> int:
-        return next(self._tids)
+    def new_tid(self) -> m.Tid:
+        return m.Tid(next(self._tids))
+
+    def _new_req(self) -> m.Tid:
+        return m.Tid(next(self._reqs))
 
     def issue(self, instr) -> None:
         """Append one instruction; ships a batch when ``max_pending`` is reached.
@@ -162,13 +167,11 @@ class Controller:
             self.issue(m.SetupMesh(tuple(new), self.backend))
         self._meshes_ready.add(mesh)
 
-    def flush(self, answer: int | None = None, answer_ranks=(), delivered: bool = False) -> dict:
-        """Ship everything pending as one batch to every rank.
+    def flush(self, delivered: bool = False) -> dict:
+        """Ship everything pending: each rank gets one batch on its channel.
 
-        With ``answer``, the submit calls to ``answer_ranks`` also bring back the answer to
-        that request (one round trip instead of two); returns ``{rank: ActorFuture}`` then.
-        With ``delivered``, returns every rank's submit future (done once the rank holds the
-        batch: a caller streaming large staged data waits on them to bound its memory).
+        With ``delivered``, returns ``{rank: Future}``, each done once that rank holds its
+        batch (a caller streaming large staged data waits on them to bound its memory).
         """
         with self._lock:
             if self._freed:
@@ -180,21 +183,46 @@ class Controller:
             staged, self._staged = self._staged, {}
             self._pending = []
             self.flushes += 1
-            futures = {}
-            answer_ranks = set(answer_ranks)
+            ack = self._new_req() if delivered else None
+            acks = {rank: self._expect(rank, ack) for rank in batches} if delivered else {}
             with interrupts_held():  # the same flush reaches every rank, or none
-                for rank, batch in batches.items():
-                    wanted = answer if rank in answer_ranks else None
-                    seq, self._seqs[rank] = self._seqs[rank], self._seqs[rank] + 1
-                    fut = self._send(rank, seq, batch, staged.get(rank) or None, wanted)
-                    if wanted is not None or delivered:
-                        futures[rank] = fut
-            return futures
+                for rank, message in self._messages(batches, staged, ack):
+                    self._write(rank, message)
+            return acks
 
-    def _send(self, rank: int, seq: int, batch, staged, answer):
-        """Hand one rank its batch (an actor call; the dry-run controller only counts)."""
-        return self._call(rank, "submit", seq, (batch.definitions, batch.segments), staged,
-                          answer, batch.quick)
+    def _messages(self, batches: dict, staged: dict, ack) -> list[tuple[int, object]]:
+        """What the controller writes for one flush: a Batch to each rank, or in a world
+        larger than the fan-out a Relay to each head (``fanout.py``)."""
+        seqs = {}
+        for rank in batches:
+            seqs[rank], self._seqs[rank] = self._seqs[rank], self._seqs[rank] + 1
+        if self._relayed():
+            return plan_flush(batches, seqs, staged, self.world, self.fanout, ack)
+        return [(rank, Batch(seqs[rank], (batch.definitions, batch.segments),
+                             staged.get(rank) or None, batch.quick, ack))
+                for rank, batch in batches.items()]
+
+    def _relayed(self) -> bool:
+        """Whether flushes go through relays: a world larger than the fan-out."""
+        return bool(self.fanout) and self.world > self.fanout
+
+    def _link_relays(self) -> None:
+        """Tell each relay where the heads of its sub-blocks listen (it connects to them)."""
+        for rank in range(self.world):
+            heads = [b.start for b in sub_blocks(block_of(rank, self.world, self.fanout),
+                                                 self.fanout)]
+            if heads:
+                self._write(rank, Links({h: self.ranks[h].channel for h in heads}))
+
+    def _write(self, rank: int, message) -> None:
+        """Write one message to a rank's channel (the dry-run controller only counts)."""
+        try:
+            self.channels.send(rank, message)
+        except ChannelClosed as exc:
+            raise self._lost(rank, exc) from exc
+
+    def _expect(self, rank: int, req: int) -> Future:
+        return self.channels.expect(rank, req)
 
     def deliver(self) -> None:
         """Flush and wait until every rank has received the batch (not run it)."""
@@ -202,17 +230,40 @@ class Controller:
 
     # answers ---------------------------------------------------------------------------------
     def request(self, make, ranks) -> dict:
-        """Issue ``make(req)`` (a Fetch or Sync), flush, and return ``{rank: ActorFuture}``."""
-        req = next(self._reqs)
-        ranks = list(ranks)
+        """Issue ``make(req)`` (a Fetch, Sync, ...), flush, and return ``{rank: Future}`` of
+        the answers (each rank pushes its answer on its channel: one round trip)."""
+        req = self._new_req()
         with self._lock:
             self._check_open()
+            futures = {r: self._expect(r, req) for r in ranks}
+            if self._freed:  # handles dropped before the request: freed before it answers
+                self._pending.extend(self._drain_freed())
             self._pending.append(make(req))
-            futures = self.flush(req, ranks)
-        for r in ranks:  # a rank whose answer did not ride on the submit asks separately
-            if r not in futures:
-                futures[r] = self._call(r, "answer", req)
+            self.flush()
         return futures
+
+    def wait(self, futures: dict, timeout: float | None = None) -> dict:
+        """Wait for answers; every ``poll_s`` without one, check that the ranks' workers
+        and interpreters are alive (a closed channel fails its futures at once)."""
+        start = time.monotonic()
+        pending = dict(futures)
+        while pending:
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no answer from ranks {sorted(pending)} within {timeout}s")
+            done, _ = wait_for(list(pending.values()), self.poll_s if left is None else
+                               min(self.poll_s, left), return_when=FIRST_COMPLETED)
+            pending = {r: f for r, f in pending.items() if not f.done()}
+            if not done and pending:
+                self.check_alive(list(pending))
+                self.check_interpreters(list(pending))
+        out = {}
+        for rank, fut in futures.items():
+            ok, value = _outcome(fut)
+            if not ok:  # the channel closed: the worker is gone
+                raise self._lost(rank, value) from value
+            out[rank] = value
+        return out
 
     def _call(self, rank: int, method: str, *args):
         """Call an actor method; a rank whose worker is gone raises WorkerLostError."""
@@ -221,30 +272,21 @@ class Controller:
         except RuntimeError as exc:  # Dask: "Worker holding Actor was lost"
             raise self._lost(rank, exc) from exc
 
-    def wait(self, futures: dict, timeout: float | None = None) -> dict:
-        """Wait for answers, checking every ``poll_s`` that the ranks' workers are alive."""
-        from distributed.utils import sync
-        start = time.monotonic()
-        got: dict = {}
-        while len(got) < len(futures):
-            pending = {r: f for r, f in futures.items() if r not in got}
-            left = None if timeout is None else timeout - (time.monotonic() - start)
-            if left is not None and left <= 0:
-                raise TimeoutError(f"no answer from ranks {sorted(pending)} within {timeout}s")
+    def _health(self, ranks, wait_s: float) -> dict | None:
+        """``{rank: (ok, report)}`` from each rank's channel thread, or None when some did
+        not answer within ``wait_s``."""
+        req = self._new_req()
+        futures = {}
+        for r in ranks:
+            futures[r] = self._expect(r, req)
             try:
-                got.update(sync(self.client.loop, _answers_of, pending, callback_timeout=
-                                self.poll_s if left is None else min(self.poll_s, left)))
-            except TimeoutError:  # answers already in are read again next round
-                waiting = [r for r, f in pending.items() if not f.done()]
-                self.check_alive(waiting)
-                self.check_interpreters(waiting)
-        out = {}
-        for rank in futures:
-            ok, value = got[rank]
-            if not ok:  # the actor call itself failed: the worker is gone
-                raise self._lost(rank, value) from value
-            out[rank] = value
-        return out
+                self.channels.send(r, Health(req))
+            except ChannelClosed:
+                pass  # its future fails with it
+        done, waiting = wait_for(list(futures.values()), wait_s)
+        if waiting:
+            return None
+        return {r: _outcome(f) for r, f in futures.items()}
 
     def check_alive(self, ranks=None) -> None:
         """Raise WorkerLostError when a rank's Dask worker has left the cluster."""
@@ -261,13 +303,9 @@ class Controller:
         """Raise when a rank's interpreter stopped (its thread died, its batch stream broke)
         or has been in one instruction for longer than ``op_timeout_s``. The world is out of
         step then: the controller closes, and ``dtorch.restart()`` starts a fresh one."""
-        from distributed.utils import sync
-        futures = {r: self._call(r, "health") for r in ranks}
-        try:
-            reports = sync(self.client.loop, _answers_of, futures,
-                           callback_timeout=max(self.poll_s, 5.0))
-        except TimeoutError:
-            return  # a busy event loop answers late; the next round asks again
+        reports = self._health(ranks, max(self.poll_s, 5.0))
+        if reports is None:
+            return  # a busy rank answers late; the next round asks again
         for rank, (ok, report) in sorted(reports.items()):
             if not ok:
                 raise self._lost(rank, report) from report
@@ -301,17 +339,7 @@ class Controller:
     def _lost_rank(self, wait_s: float) -> Exception | None:
         """The WorkerLostError of a rank whose worker is gone (or whose interpreter thread
         stopped: its RemoteError), or None when every rank answers as serving."""
-        from distributed.utils import sync
-        futures = {}
-        for r in range(self.world):
-            try:
-                futures[r] = self._call(r, "health")
-            except WorkerLostError as lost:  # Dask already knows the actor's worker is gone
-                return lost
-        try:
-            reports = sync(self.client.loop, _answers_of, futures, callback_timeout=wait_s)
-        except TimeoutError:
-            reports = None
+        reports = self._health(range(self.world), wait_s)
         if reports is not None:
             for rank, (ok, report) in sorted(reports.items()):
                 if not ok:
@@ -354,6 +382,8 @@ class Controller:
         return self._pool.submit(fn)
 
     def stats(self) -> list[dict]:
+        """Each rank's ``RankActor.stats()`` now (while it may still be running earlier work:
+        ``synchronize()`` first for counts that include everything issued)."""
         self.flush()
         return [self._call(info.rank, "stats").result() for info in self.ranks]
 
@@ -396,6 +426,8 @@ class Controller:
         finally:
             self.closed = True
             self._pool.shutdown(wait=False)
+            if self.channels is not None:
+                self.channels.close()
             client, cluster, self.client = self.client, self.cluster, None
             if client is not None:
                 client.close()

@@ -17,8 +17,10 @@ plans for meshes far bigger than this machine can be measured. Reading a value r
 from __future__ import annotations
 
 from ..errors import DTorchError
+from .channel import Batch, encode
 from .cluster import RankInfo
 from .controller import Controller
+from .fanout import Relay
 
 
 class DryRunError(DTorchError):
@@ -28,21 +30,35 @@ class DryRunError(DTorchError):
 class DryRunController(Controller):
     """Builds and measures batches for ``world`` ranks without sending them."""
 
-    def __init__(self, world: int, device_type: str = "cpu"):
+    def __init__(self, world: int, device_type: str = "cpu", fanout: int = 0):
         ranks = [RankInfo(r, f"dry-run://rank-{r}", "dry-run", None, None) for r in range(world)]
-        super().__init__(None, None, ranks, device_type)
+        super().__init__(None, None, ranks, device_type, fanout=fanout)
         self._batches = [0] * world
         self._instructions = [0] * world
         self._bytes = [0] * world
         self._staged_bytes = [0] * world
+        self.sent_messages = 0  # what the controller itself wrote: messages and their bytes,
+        self.sent_bytes = 0  # staged shards excluded (a Batch per rank, or a Relay per head)
 
-    def _send(self, rank, seq, batch, staged, answer):
-        self._batches[rank] += 1
-        self._instructions[rank] += batch.instructions
-        self._bytes[rank] += batch.nbytes
-        if staged:
-            self._staged_bytes[rank] += sum(w.data.nbytes for w in staged.values())
-        return None
+    def _messages(self, batches, staged, ack):
+        """Count what each rank would receive, then build the controller's messages."""
+        for rank, batch in batches.items():
+            self._batches[rank] += 1
+            self._instructions[rank] += batch.instructions
+            self._bytes[rank] += batch.nbytes
+            if staged.get(rank):
+                self._staged_bytes[rank] += sum(w.data.nbytes for w in staged[rank].values())
+        return super()._messages(batches, staged, ack)
+
+    def _write(self, rank, message) -> None:
+        """Count a message the controller would write and its bytes, staged shards left out
+        (what a flush of ops costs the controller, per world size)."""
+        if type(message) is Batch:
+            message = message._replace(staged=None)
+        elif type(message) is Relay:
+            message = message._replace(routes=tuple(r[:4] + (None,) for r in message.routes))
+        self.sent_messages += 1
+        self.sent_bytes += sum(memoryview(part).nbytes for part in encode(message))
 
     def request(self, make, ranks):
         raise DryRunError("dtorch runs in dry-run mode (dtorch.init(dry_run=True)): no rank "

@@ -34,6 +34,7 @@ from .poison import Poison, RemoteFailure  # noqa: F401 - re-exported: the inter
 
 
 MAX_KEPT_ERRORS = 100
+_AS_SENT = frozenset((int, float, bool, str, type(None)))  # arguments used as they arrive
 
 _DETERMINISTIC = {"zeros": torch.zeros, "ones": torch.ones, "empty": torch.empty}
 _BLOCKWISE = {"init_uniform": torch.Tensor.uniform_, "init_normal": torch.Tensor.normal_}
@@ -108,6 +109,8 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         self.instructions = 0
         self.random_values = 0  # values the counter-based stream drew here (random_masks)
         self.beside_reductions = 0  # instructions run while a StartReduce was in flight
+        self.prepared: dict = {}  # program id -> replay.PreparedRun
+        self.replayed = 0  # instructions run from prepared programs
         self._poisoned_arg: Poison | None = None
         self.composite_peak_bytes = 0  # watched bytes at the peak of the last composite op
         self._handlers = {m.SetupMesh: self._setup_mesh, m.Seed: self._seed,
@@ -121,7 +124,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                           m.FinishReduce: self._finish_reduce}
         self.post_later: Callable | None = None  # answers a request later (the actor's)
         self.timeout_s = 60.0  # the world's collective timeout (the actor sets its own)
-        self.current: tuple[str, float] | None = None  # (instruction, started) while running
+        self.current: tuple | None = None  # (instruction, started) while one runs
 
     # entry point -----------------------------------------------------------------------------
     def execute(self, instr, staged: dict | None = None):
@@ -131,13 +134,24 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         request answered with it): the interpreter goes on with the next instruction."""
         self.instructions += 1
         self._staged = staged
-        self.current = (_label(instr), time.monotonic())
+        self.current = (instr, time.monotonic())  # labelled only when asked (running())
         try:
             return self._handlers[type(instr)](instr)
         except Exception as exc:  # noqa: BLE001 - see the docstring
             return self._failed_instruction(instr, exc)
         finally:
             self.current = None
+
+    def running(self) -> tuple[str, float] | None:
+        """``(label, seconds)`` of the instruction running now, or None (liveness reports).
+
+        >>> Interpreter(0, None).running() is None
+        True
+        """
+        current = self.current
+        if current is None:
+            return None
+        return _label(current[0]), time.monotonic() - current[1]
 
     def _failed_instruction(self, instr, exc: Exception):
         """Poison what ``instr`` would have written; answer its request with the error."""
@@ -268,6 +282,23 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                                 dtype=instr.dtype, device=self.device)
         return coord, value, poison
 
+    def _resolve_args(self, args: tuple) -> list:
+        """``_resolve`` of a call's positional arguments, with the common leaves (a shard, a
+        number) taken without recursion: the per-instruction hot path."""
+        out = []
+        for a in args:
+            kind = type(a)
+            if kind is m.Ref:
+                value = self.store[a.tid]
+                if type(value) is Poison and self._poisoned_arg is None:
+                    self._poisoned_arg = value
+                out.append(value)
+            elif kind in _AS_SENT:
+                out.append(a)
+            else:
+                out.append(self._resolve(a))
+        return out
+
     def _resolve(self, obj, subst=None):
         if isinstance(obj, m.Ref):
             value = self.store[obj.tid] if subst is None or obj.tid not in subst else \
@@ -290,7 +321,8 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
             return self._composite(instr)
         try:
             self._poisoned_arg = None
-            args, kwargs = self._resolve(instr.args), self._resolve(instr.kwargs)
+            args = self._resolve_args(instr.args)
+            kwargs = self._resolve(instr.kwargs) if instr.kwargs else {}
             poison = self._poisoned_arg
             if poison is not None:
                 outs = [poison] * len(instr.outs)
@@ -404,12 +436,29 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
             self.dropped_errors = 0
         return instr.req, ("ok", errors)
 
+    def replay(self, run, staged, rank_table: dict) -> list:
+        """Run one instance of a repeated program (``replay.py``), preparing it the first
+        time; returns the answers its requests gave."""
+        prepared = self.prepared.get(run.program)
+        if prepared is None:
+            from .intern import SLOTS, loads
+            from .replay import PreparedRun
+            template = loads(rank_table[run.program].data, rank_table, SLOTS)
+            prepared = self.prepared[run.program] = PreparedRun(self, template)
+        self.replayed += prepared.size
+        return prepared.run(run.ids, staged)
+
     def _free(self, instr: m.Free):
-        for tid in instr.tids:
+        self.free_tids(instr.tids)
+
+    def free_tids(self, tids) -> None:
+        """Drop these tensors (their large buffers back to the pool) or kept graphs."""
+        for tid in tids:
             self.graphs.pop(tid, None)  # a node id: the controller dropped its graph
             value = self.store.pop(tid, None)
             if isinstance(value, torch.Tensor):
-                if value.layout == torch.strided:
+                if value.numel() * value.element_size() >= self.pool.min_bytes and \
+                        value.layout == torch.strided:
                     self.pool.give_back(value)  # reused only if nothing else can reach it
             elif isinstance(value, Started):  # never finished (a failed backward's bucket)
                 self._drop_started(value)
@@ -435,6 +484,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                 "counts": dict(self.counts), "instructions": self.instructions,
                 "random_values": self.random_values,
                 "beside_reductions": self.beside_reductions,
+                "replayed": self.replayed, "programs": len(self.prepared),
                 "in_flight": sum(isinstance(v, Started) for v in self.store.values()),
                 "pool_bytes": self.pool.held, "pool_reused": self.pool.reused,
                 "composite_peak_bytes": self.composite_peak_bytes,

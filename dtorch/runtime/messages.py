@@ -12,6 +12,18 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 
+class Tid(int):
+    """An id the controller made (a tensor, a graph node, a request): an int whose place in a
+    batch is a slot, so a run of instructions that repeats with fresh ids pickles to the same
+    bytes and can be replayed (``intern.py``, ``replay.py``).
+
+    >>> Tid(5) == 5, hash(Tid(5)) == hash(5)
+    (True, True)
+    """
+
+    __slots__ = ()
+
+
 class Ref(NamedTuple):
     """A placeholder in op arguments for the local shard of tensor ``tid``."""
 

@@ -17,6 +17,7 @@ import time
 
 from .. import config
 from ..errors import ClusterError
+from .fanout import fanout_setting
 from .cluster import check_dask_kwargs, connect, local_threads, place_rank_actors, \
     start_local_cluster, worker_addresses
 from .controller import Controller
@@ -76,7 +77,7 @@ def init(n_workers: int | None = None, address: str | None = None,
     if dry_run:
         from .dry_run import DryRunController
         _controller = DryRunController(n_workers or config.default_workers(),
-                                       device_type or "cpu")
+                                       device_type or "cpu", fanout_setting())
         config.set_running_world_size(_controller.world)
         _init_args = args
         return _controller
@@ -108,6 +109,7 @@ def _same_cluster(c: Controller, n_workers, address, device_type, dask_kwargs,
 
 def _start(n_workers, address, device_type, dask_kwargs) -> Controller:
     backend = "nccl" if device_type == "cuda" else "gloo"
+    fanout = fanout_setting()  # a bad DTORCH_FANOUT fails here, before anything starts
     started = time.monotonic()
     if address is not None:
         client, cluster = connect(address, **dask_kwargs), None
@@ -125,7 +127,7 @@ def _start(n_workers, address, device_type, dask_kwargs) -> Controller:
         threads = local_threads(n_workers)
     try:
         ranks = place_rank_actors(client, backend, _collective_timeout(),
-                                  secrets.randbits(48), workers, threads)
+                                  secrets.randbits(48), workers, threads, fanout)
     except BaseException:
         client.close()
         if cluster is not None:
@@ -133,7 +135,7 @@ def _start(n_workers, address, device_type, dask_kwargs) -> Controller:
         raise
     if address is None and not start_hooks:
         print(f" ready in {time.monotonic() - started:.1f}s", flush=True)
-    controller = Controller(client, cluster, ranks, device_type, backend)
+    controller = Controller(client, cluster, ranks, device_type, backend, fanout=fanout)
     config.set_running_world_size(len(ranks))
     atexit.unregister(shutdown)
     atexit.register(shutdown)  # after Dask's own exit hooks were registered, so it runs first

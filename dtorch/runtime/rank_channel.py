@@ -1,0 +1,134 @@
+"""The rank's end of its channel (``channel.py``) and, in large worlds, its relay duty
+(``fanout.py``). A mixin of ``RankActor``, which gives ``rank``, ``world``, ``_cv``, ``_inbox``,
+``_next_seq``, ``_busy``, ``_run_batch`` and ``_health``.
+
+A listener on the worker's interface takes the controller's connection (answers go back on
+it) and, for a rank that is not a head the controller sends to, its relay's; then it stops
+listening. Each connection has its own receiving thread; batches are queued by sequence
+number, so whichever path brought them, the interpreter runs them in order."""
+
+from __future__ import annotations
+
+import threading
+
+from .channel import (CONTROLLER, Answer, Batch, ChannelClosed, FrameReader, Health, Links,
+                      accept_peer, connect, listen, send)
+from .fanout import Relay, block_of, parent_of, relay_for, sub_blocks
+
+
+class ServesChannel:
+    """Accepts the controller's (and a relay's) connection, queues batches, relays."""
+
+    def _start_channel(self, ip: str, token: bytes, fanout: int) -> None:
+        self._listener = listen(ip)
+        self._token = token
+        self._send_lock = threading.Lock()
+        self._channel = None  # the controller's connection, once it presented the token
+        tree = bool(fanout) and self.world > fanout
+        self._fanout = fanout
+        expected = 2 if tree and parent_of(self.rank, self.world, fanout) is not None else 1
+        self._sub_blocks = sub_blocks(block_of(self.rank, self.world, fanout), fanout) \
+            if tree else []
+        self._children: dict[int, tuple] = {}  # head rank -> (socket, lock), once linked
+        self.relayed = 0  # Relay messages this rank forwarded
+        self._accepter = threading.Thread(target=self._accept, args=(expected,), daemon=True,
+                                          name=f"dtorch-channel-{self.rank}")
+        self._accepter.start()
+
+    async def channel_address(self) -> tuple[str, int]:
+        """Where the controller (and a relay) connect this rank's channel."""
+        return self._listener.getsockname()[:2]
+
+    def _accept(self, expected: int) -> None:
+        """Take ``expected`` connections, each served by its own thread, then stop
+        listening (later connections are refused)."""
+        try:
+            for _ in range(expected):
+                peer = accept_peer(self._listener, self._token)
+                if peer is None:
+                    return
+                conn, role = peer
+                if role == CONTROLLER:
+                    self._channel = conn
+                threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                 name=f"dtorch-channel-{self.rank}-{role.decode()}").start()
+        finally:
+            stop_listening(self._listener)
+
+    def _serve(self, conn) -> None:
+        """Read one connection: queue batches, relay, link, answer health questions."""
+        reader = FrameReader()
+        try:
+            while True:
+                for message in reader.read_from(conn):
+                    kind = type(message)
+                    if kind is Batch:
+                        self._take(message)
+                    elif kind is Relay:
+                        self._relay(message)
+                    elif kind is Health:
+                        self._post(message.req, self._health())
+                    elif kind is Links:
+                        self._link(message.addresses)
+        except ChannelClosed:  # the other end closed it, or went away
+            pass
+        finally:
+            conn.close()
+
+    def _take(self, batch: Batch) -> None:
+        """Queue batch ``seq``. A ``quick`` batch (only reads and frees) that is next in line
+        while the interpreter is idle runs right here instead (a read answers sooner)."""
+        with self._cv:
+            if batch.quick and batch.seq == self._next_seq and not self._busy \
+                    and not self._inbox:
+                self._next_seq += 1
+                self.inline_batches += 1
+                self._run_batch(batch.payload, batch.staged)
+            else:
+                self._inbox[batch.seq] = (batch.payload, batch.staged)
+                self._cv.notify()
+        if batch.ack is not None:
+            self._post(batch.ack, None)
+
+    def _link(self, addresses: dict) -> None:
+        """Connect to the heads of this rank's sub-blocks (a relay)."""
+        from .channel import RELAY
+        for rank, address in sorted(addresses.items()):
+            if rank not in self._children:
+                self._children[rank] = (connect(address, self._token, RELAY), threading.Lock())
+
+    def _relay(self, relay: Relay) -> None:
+        """Forward each sub-block its routes, then queue this rank's own batch."""
+        routes = list(relay.routes)
+        for block in self._sub_blocks:
+            part = relay_for(block, routes, relay.batches, relay.ack)
+            if part.routes:
+                sock, lock = self._children[block.start]
+                try:
+                    send(sock, lock, part)
+                    self.relayed += 1
+                except OSError:  # that rank is gone: the controller learns it on its channel
+                    pass
+        for rank, seq, index, quick, staged in routes:
+            if rank == self.rank:
+                self._take(Batch(seq, relay.batches[index], staged, quick, relay.ack))
+                break
+
+    def _post(self, req: int, answer) -> None:
+        """Send request ``req``'s answer to the controller (any thread)."""
+        if self._channel is None:  # answers come only for requests sent on the channel
+            return
+        try:
+            send(self._channel, self._send_lock, Answer(req, answer))
+        except OSError:  # the controller is gone: nobody waits for it
+            pass
+
+
+def stop_listening(listener) -> None:
+    """Close a listening socket, waking a thread blocked in its ``accept``."""
+    import socket
+    try:
+        listener.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    listener.close()

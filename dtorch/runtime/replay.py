@@ -1,0 +1,181 @@
+"""Replaying a run of instructions that repeats: prepared once on the rank, run per instance.
+
+A loop body, a training step or a decode step issues the same instructions each time with
+fresh ids. The controller notices the repeat (the run's bytes, ids as slots, are the same:
+``intern.py``) and sends the program once, then only its id and the instance's ids. The rank
+prepares the program once: each plain ``Call`` becomes a step that knows its function, which
+arguments are shards (and from which slot) and which are constants, and where its outputs
+go; each ``Free`` a list of slots; any other instruction a filler that puts the ids into
+its fields and executes it as usual. Running an instance then skips unpickling, dispatch and
+the walk over arguments.
+
+Poisoned values: the run's inputs from outside it are checked once when it starts; while no
+step failed or wrote a poisoned output, the prepared calls read their shards without looking
+at each (one flag per run). Once something is poisoned, the rest of the run takes the checked
+path, instruction by instruction, so an error travels exactly as without replay. Example::
+
+    >>> from dtorch.runtime.interpreter import Interpreter
+    >>> from dtorch.runtime import messages as m
+    >>> from dtorch.runtime.intern import SLOTS, Slot
+    >>> import torch
+    >>> interp = Interpreter(0, None)
+    >>> program = PreparedRun(interp, [m.Call((Slot(1),), torch.add, (m.Ref(Slot(0)), 1.0), {},
+    ...                                       (0,)), m.Free((Slot(0),), (0,))])
+    >>> interp.store[10] = torch.zeros(2)
+    >>> program.run((10, 11), None)
+    []
+    >>> interp.store
+    {11: tensor([1., 1.])}
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, NamedTuple
+
+from . import messages as m
+from .intern import Slot
+from .interpreter import _AS_SENT, _outputs_of
+from .local_graphs import tensors_of
+from .poison import Poison
+
+
+
+class Run(NamedTuple):
+    """One instance of a program: its interned id and the instance's ids, in slot order."""
+
+    program: int
+    ids: tuple
+
+
+def filler(obj) -> Callable | None:
+    """A function ``ids -> obj`` with every ``Slot`` in it replaced by its id (built once per
+    program), or None when ``obj`` holds no slot (it is used as it is)."""
+    kind = type(obj)
+    if kind is Slot:
+        index = obj.index
+        return lambda ids: ids[index]
+    if kind is dict:
+        parts = {k: filler(v) for k, v in obj.items()}
+        if not any(parts.values()):
+            return None
+        makers = {k: p or _constant(obj[k]) for k, p in parts.items()}
+        return lambda ids: {k: make(ids) for k, make in makers.items()}
+    if kind is tuple or kind is list or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+        parts = [filler(x) for x in obj]
+        if not any(parts):
+            return None
+        makers = [p or _constant(x) for p, x in zip(parts, obj)]
+        if kind is tuple or kind is list:
+            return lambda ids: kind([make(ids) for make in makers])
+        return lambda ids: kind(*[make(ids) for make in makers])
+    return None
+
+
+def _constant(value):
+    return lambda ids: value
+
+
+def _reads(obj, out: set) -> None:
+    """The slots ``obj``'s ``Ref`` placeholders read."""
+    if type(obj) is m.Ref and type(obj.tid) is Slot:
+        out.add(obj.tid.index)
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            _reads(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _reads(x, out)
+
+
+class PreparedRun:
+    """A program prepared for one rank's interpreter (see the module docstring)."""
+
+    def __init__(self, interp, template: list):
+        self.interp = interp
+        self.steps = [self._prepare(instr) for instr in template]
+        self.inputs = self._inputs_from_outside(template)
+        self.size = len(template)
+
+    def _prepare(self, instr) -> tuple:
+        """``(kind, instr, data, fill)``: "call" or "free" with what they need prepared, or
+        "other"; ``fill(ids)`` rebuilds the instruction (None: it holds no slot)."""
+        kind, fill = type(instr), filler(instr)
+        if kind is m.Call and type(instr.fn) is not m.CompositePlan and \
+                self.interp.rank in instr.ranks and not filler(instr.kwargs) and \
+                all(type(a) in _AS_SENT or (type(a) is m.Ref and type(a.tid) is Slot)
+                    for a in instr.args) and all(type(o) is Slot for o in instr.outs):
+            refs = tuple((i, a.tid.index) for i, a in enumerate(instr.args)
+                         if type(a) is m.Ref)
+            constants = [None if type(a) is m.Ref else a for a in instr.args]
+            return "call", instr, (refs, constants, tuple(o.index for o in instr.outs)), fill
+        if kind is m.Free and all(type(t) is Slot for t in instr.tids):
+            return "free", instr, tuple(t.index for t in instr.tids), fill
+        return "other", instr, None, fill
+
+    @staticmethod
+    def _inputs_from_outside(template: list) -> tuple:
+        """Slots read before the run writes them: where poison could come in from."""
+        written: set = set()
+        outside: set = set()
+        for instr in template:
+            read: set = set()
+            _reads(tuple(instr), read)
+            if type(instr) in (m.Redistribute, m.StartReduce) and type(instr.src) is Slot:
+                read.add(instr.src.index)
+            outside |= read - written
+            written |= {o.index for o in _outputs_of(instr) if type(o) is Slot}
+        return tuple(sorted(outside))
+
+    def run(self, ids: tuple, staged) -> list:
+        """Run one instance; returns the ``(req, answer)`` pairs its requests gave."""
+        interp = self.interp
+        store = interp.store
+        clean = not any(type(store.get(ids[i])) is Poison for i in self.inputs)
+        answers = []
+        for kind, instr, data, fill in self.steps:
+            if kind == "call" and clean:
+                clean = self._call(instr, data, ids)
+            elif kind == "free":
+                interp.instructions += 1
+                interp.free_tids([ids[i] for i in data])
+            else:  # the checked path: the instruction rebuilt with this instance's ids
+                if fill is not None:
+                    instr = fill(ids)
+                answer = interp.execute(instr, staged)
+                if answer is not None:
+                    answers.append(answer)
+                if clean:
+                    clean = not _poisoned(interp, instr)
+        return answers
+
+    def _call(self, instr, data, ids) -> bool:
+        """A prepared call on clean inputs; False once it failed (the run is no longer clean)."""
+        interp = self.interp
+        store = interp.store
+        refs, constants, outs = data
+        interp.instructions += 1
+        interp.current = (instr, time.monotonic())
+        try:
+            args = list(constants)
+            for position, slot in refs:
+                args[position] = store[ids[slot]]
+            values = tensors_of(instr.fn(*args, **instr.kwargs), len(outs))
+            ok = True
+        except Exception as exc:  # noqa: BLE001 - the op's error, as in Interpreter._call
+            values = [interp._fail(getattr(instr.fn, "__name__", str(instr.fn)), exc)] * \
+                len(outs)
+            ok = False
+        finally:
+            interp.current = None
+        for slot, value in zip(outs, values):
+            store[ids[slot]] = value
+        return ok
+
+
+def _poisoned(interp, instr) -> bool:
+    """Whether ``instr`` left a poisoned output (or may have: a checkpoint writes shards)."""
+    if type(instr) is m.Checkpoint:
+        return True
+    store = interp.store
+    return any(type(store.get(t)) is Poison for t in _outputs_of(instr))
