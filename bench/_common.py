@@ -46,7 +46,7 @@ class Row(NamedTuple):
     """One comparison: dtorch seconds vs reference seconds (medians, with their interquartile
     ranges ``*_iqr`` when repeated); ``target`` is the max ratio wanted, None for a row that is
     information only (say, one that times dtorch's controller alone). ``unit`` "B" marks a row
-    of bytes instead of seconds."""
+    of bytes instead of seconds, "msgs" one of messages."""
 
     name: str
     dtorch_s: float
@@ -64,7 +64,9 @@ class Row(NamedTuple):
         return cls(name, ours.median, ref.median, target, note, "s", ours.iqr, ref.iqr)
 
     def shown(self, value: float) -> str:
-        return f"{value:9.0f} B " if self.unit == "B" else fmt_s(value)
+        if self.unit in ("B", "msgs"):
+            return f"{value:9.0f} {self.unit} "
+        return fmt_s(value)
 
     @property
     def ratio(self) -> float:

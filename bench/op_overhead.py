@@ -34,7 +34,14 @@ process (what the op itself costs), not a whole distributed job.
 The dtorch cluster starts first; the reference ranks are spawned with its rank processes'
 allocator, huge-page and thread settings and must report the same (``_common.ReferenceRanks``).
 Both stay up and take turns, one timed repeat each; medians and interquartile ranges.
-Target: the chain end to end <= 1.0x PyTorch DTensor (the MLP row is information only).
+Targets (issue 21): the chain end to end <= 0.5x PyTorch DTensor, and a rank's CPU per op of
+the chain (its interpreter thread, read from ``rank_stats()``) <= 2x the op in plain torch in
+one process (the MLP row is information only). Replay row (information): 20 TP MLP forwards
+then ``synchronize()``, the repeated run replayed from a prepared program vs sent and
+dispatched whole (``dtorch.runtime.batches.REPLAY = False``), taking turns; and the chain, a
+rank's CPU per op, replayed vs not. Fusion row (information): the chain (other constants, so a
+new program) with ``DTORCH_FUSE=1`` on the ranks, its stretch compiled into one function, vs
+the chain replayed unfused, taking turns after the compiling instance (its time reported).
 
     .venv/bin/python bench/op_overhead.py [--quick]
 """
@@ -54,6 +61,7 @@ CHAIN_OPS = 500
 CHAIN_SHAPE = (256, 64)
 BATCH, DIM, HIDDEN = 32, 64, 256
 MLP_N = 10  # MLP forwards per timed repeat
+REPLAYED_N = 20  # MLP forwards per flush in the replay rows
 
 
 def chain(x):
@@ -169,6 +177,112 @@ def controller_unary(c, x, repeats: int) -> dict:
     return {k: summarize(v) for k, v in runs.items()}
 
 
+def rank_cpu(c, run_chain, repeats: int) -> dict:
+    """``{"rank_cpu", "rank_process_cpu": Timing}``: CPU seconds per op of the chain on a
+    rank, its interpreter thread alone and its whole worker process (the channel thread,
+    Dask's), read from ``rank_stats()`` before and after a synchronized chain; the median
+    over the ranks of each repeat. Also ``instructions_per_op``."""
+    import statistics
+
+    import dtorch
+    runs = {"rank_cpu": [], "rank_process_cpu": []}
+    per_op = []
+    for _ in range(repeats):
+        before = c.stats()
+        run_chain()
+        dtorch.synchronize()
+        after = c.stats()
+        for key, field in (("rank_cpu", "interpreter_cpu_s"),
+                           ("rank_process_cpu", "process_cpu_s")):
+            runs[key].append(statistics.median(
+                (a[field] - b[field]) / CHAIN_OPS for a, b in zip(after, before)))
+        per_op.append(statistics.median((a["instructions"] - b["instructions"]) / CHAIN_OPS
+                                        for a, b in zip(after, before)))
+    out = {k: summarize(v) for k, v in runs.items()}
+    out["instructions_per_op"] = statistics.median(per_op)
+    return out
+
+
+def replay_gain(c, work: dict, repeats: int) -> dict:
+    """For each ``name: (fn, n)`` in ``work``: ``{name + "_replayed" / "_unreplayed": Timing}``
+    of seconds per call of ``n`` calls then ``synchronize()``, and ``name + "_cpu_replayed" /
+    "_cpu_unreplayed"`` of a rank's interpreter-thread CPU seconds per call (the median rank),
+    with the repeated run replayed (``batches.REPLAY``, the default) or sent whole each time,
+    taking turns."""
+    import statistics
+
+    import dtorch
+    from dtorch.runtime import batches
+
+    def timed(fn, n: int, replay: bool):
+        batches.REPLAY = replay
+        try:
+            dtorch.synchronize()
+            before = c.stats()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                out = fn()
+            del out
+            dtorch.synchronize()
+            wall = (time.perf_counter() - t0) / n
+            cpu = statistics.median((a["interpreter_cpu_s"] - b["interpreter_cpu_s"]) / n
+                                    for a, b in zip(c.stats(), before))
+            return wall, cpu
+        finally:
+            batches.REPLAY = True
+    runs: dict = {}
+    for name, (fn, n) in work.items():
+        for replay in (True, False, True):  # warm: the program defined and prepared
+            timed(fn, n, replay)
+        for _ in range(repeats):
+            for replay, label in ((True, "replayed"), (False, "unreplayed")):
+                wall, cpu = timed(fn, n, replay)
+                runs.setdefault(f"{name}_{label}", []).append(wall)
+                runs.setdefault(f"{name}_cpu_{label}", []).append(cpu)
+    return {k: summarize(v) for k, v in runs.items()}
+
+
+def _set_fuse(value: str) -> None:
+    """On a rank's process: ``DTORCH_FUSE`` for the programs it prepares from now on."""
+    os.environ["DTORCH_FUSE"] = value
+
+
+def fused_chain(x):
+    """The chain with other constants: its program is new, prepared with fusion on."""
+    for _ in range(CHAIN_OPS // 2):
+        x = x * 1.00011 + 0.0011
+    return x
+
+
+def fusion_gain(c, x, repeats: int) -> dict:
+    """``{"chain_fused", "chain_unfused": Timing, "fuse_compile_s": float}``: the chain end to
+    end with its stretches fused (``DTORCH_FUSE=1`` on the ranks: one compiled function per
+    stretch) vs the same chain replayed unfused, taking turns, after the fused program's
+    first (compiling) instance, whose time is ``fuse_compile_s``."""
+    import dtorch
+
+    def timed(fn):
+        dtorch.synchronize()
+        t0 = time.perf_counter()
+        out = fn(x)
+        del out
+        dtorch.synchronize()
+        return time.perf_counter() - t0
+    c.client.run(_set_fuse, "1")
+    try:
+        timed(fused_chain)  # sent whole
+        compile_s = timed(fused_chain)  # the program defined, prepared and compiled
+        runs: dict = {"chain_fused": [], "chain_unfused": []}
+        for _ in range(repeats):
+            runs["chain_fused"].append(timed(fused_chain))
+            runs["chain_unfused"].append(timed(chain))
+    finally:
+        c.client.run(_set_fuse, "0")
+    out = {k: summarize(v) for k, v in runs.items()}
+    out["fuse_compile_s"] = compile_s
+    return out
+
+
 def measure(repeats: int) -> dict:
     """``{name: Timing}``: dtorch's ``chain``/``mlp`` end to end and ``chain_ctrl``/``mlp_ctrl``
     (controller only), the reference's ``ref_chain``/``ref_mlp``."""
@@ -230,6 +344,10 @@ def measure(repeats: int) -> dict:
                          lambda: timed("chain_grad", *work["chain_grad"]),
                          lambda: {"ref_backward": ref.ask("backward")}, timed_backward)
         got.update({f"unary_{k}": v for k, v in controller_unary(c, x, repeats).items()})
+        got.update(rank_cpu(c, lambda: chain(x), repeats))
+        got.update(replay_gain(c, {"mlp": (lambda: mlp(xin, w1, w2, replicate), REPLAYED_N),
+                                   "chain": (lambda: chain(x), 1)}, repeats))
+        got.update(fusion_gain(c, x, repeats))
         want = torch.special.erfcx(torch.special.erfcx(x0))
         assert torch.allclose(torch.special.erfcx(torch.special.erfcx(x)).to_torch(), want)
         loss = chain(xg).sum()
@@ -251,11 +369,34 @@ def run(quick: bool = False) -> list[Row]:
     plain = plain_torch(repeats)
     per_op = lambda t: Timing(*(v / CHAIN_OPS for v in t[:3]), t.n)  # noqa: E731
     return [
-        Row.timed(f"chain of {CHAIN_OPS} ops, end to end", got["chain"], got["ref_chain"], 1.0,
+        Row.timed(f"chain of {CHAIN_OPS} ops, end to end", got["chain"], got["ref_chain"], 0.5,
                   f"{got['chain'].median / CHAIN_OPS * 1e6:.1f} us/op vs PyTorch DTensor "
                   f"{got['ref_chain'].median / CHAIN_OPS * 1e6:.1f} us/op"),
+        Row.timed("rank CPU per op (chain), interpreter thread", got["rank_cpu"],
+                  per_op(plain["chain"]), 2.0,
+                  f"reference: the op in plain torch in one process (one rank's shard); "
+                  f"{got['instructions_per_op']:.2f} instructions per op (the op and the free "
+                  f"of its input); the whole worker process (channel thread, Dask) "
+                  f"{got['rank_process_cpu'].median * 1e6:.1f} us/op"),
         Row.timed("MLP forward, end to end", got["mlp"], got["ref_mlp"], None,
                   "info: 5 ops + 1 all_reduce vs PyTorch DTensor"),
+        Row.timed(f"TP MLP forward x{REPLAYED_N}, replayed vs sent whole",
+                  got["mlp_replayed"], got["mlp_unreplayed"], None,
+                  f"info: per forward; the same flush of {REPLAYED_N} forwards then "
+                  "synchronize(), its run replayed from a prepared program (the default) vs "
+                  "unpickled and dispatched instruction by instruction (batches.REPLAY = "
+                  f"False); a rank's CPU per forward {got['mlp_cpu_replayed'].median * 1e6:.0f}"
+                  f" vs {got['mlp_cpu_unreplayed'].median * 1e6:.0f} us"),
+        Row.timed("rank CPU per op (chain), replayed vs sent whole",
+                  per_op(got["chain_cpu_replayed"]), per_op(got["chain_cpu_unreplayed"]), None,
+                  "info: the chain's interpreter-thread CPU per op on the median rank, its "
+                  f"run replayed vs not; end to end {got['chain_replayed'].median * 1e3:.2f} vs "
+                  f"{got['chain_unreplayed'].median * 1e3:.2f} ms"),
+        Row.timed("chain of 500 ops fused (DTORCH_FUSE=1) vs replayed unfused",
+                  got["chain_fused"], got["chain_unfused"], None,
+                  "info: end to end, once compiled; the instance that compiled its stretch "
+                  f"took {got['fuse_compile_s']:.1f} s (torch.compile on each rank), which is "
+                  "why fusion is off by default"),
         Row.timed("controller only: cost per op (chain)", per_op(got["chain_ctrl"]),
                   per_op(plain["chain"]), None,
                   "dtorch's controller issuing + shipping one op vs the op in plain torch in "

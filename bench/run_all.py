@@ -7,8 +7,11 @@
 - ``to_torch_vs_dask.py``: ``to_torch()`` vs a Dask gather of the same shards (<= 1.2x)
 - ``startup.py``: cold start to the first value vs spawning 4 torch processes (<= 2x)
 - ``op_overhead.py``: a 500-op chain and a TP MLP forward end to end vs PyTorch's DTensor
-  under SPMD (chain <= 1.0x), and what dtorch's controller alone spends per op (info, beside
-  plain torch in one process)
+  under SPMD (chain <= 0.5x), a rank's CPU per op of the chain (<= 2x the op in plain torch),
+  a repeated TP MLP forward replayed vs not, and what dtorch's controller alone spends per op
+  (info, beside plain torch in one process)
+- ``reads.py``: an empty ``synchronize()``, ``item()``, small and 1 MB ``to_torch()`` beside a
+  bare Dask actor round trip and a raw loopback socket round trip (small reads <= 1.5 ms)
 - ``tp_mlp_vs_dtensor.py``: a dtorch.nn TP MLP forward (ColumnParallelLinear ->
   RowParallelLinearWithReplicateOutput) at batch 1 and 64 vs PyTorch's DTensor with
   ``parallelize_module`` under SPMD, taking turns (<= 1.0x end to end)
@@ -18,7 +21,8 @@
 - ``llama_cp.py``: ring and Ulysses context parallelism at sequence 4096 vs the whole sequence
   in one process on every core and vs tp4 on the same ranks (info; per-rank peak memory)
 - ``controller_scaling.py``: controller time and bytes per op for a 500-op chain on 4, 64 and
-  1,024 ranks in dry-run mode (flat within 1.5x)
+  1,024 ranks in dry-run mode (flat within 1.5x); the messages and bytes the controller writes
+  per flush at 4, 32, 64 and 1,024 ranks (flat within 2x from 32 up: the fan-out)
 - ``redistribute_multinode.py``: placement changes on a mesh spanning two hosts (network
   namespaces on a bridge; root and ``ip`` needed, else no rows) vs the same inside one host
 - ``optim_step.py``: ``dtorch.optim.AdamW``'s step on a TP MLP's shards vs torch's foreach
@@ -59,7 +63,7 @@ sys.path.insert(0, HERE)
 from _common import Row, command, machine, markdown, now, table  # noqa: E402
 
 BENCHES = ("redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
-           "startup.py", "op_overhead.py", "tp_mlp_vs_dtensor.py", "pipeline.py",
+           "startup.py", "op_overhead.py", "reads.py", "tp_mlp_vs_dtensor.py", "pipeline.py",
            "llama_vs_dtensor.py", "llama_cp.py", "controller_scaling.py",
            "redistribute_multinode.py", "optim_step.py", "train_step.py", "train_llama.py")
 

@@ -123,3 +123,37 @@ def test_a_replayed_instance_sends_its_ids_not_its_instructions(other_cluster):
         sent.append(dtorch.rank_stats()[5]["bytes"] - before)
     # the first instance whole, the second defines the program, then ids only
     assert sent[3] * 3 < sent[0], sent
+
+
+def test_fused_stretches_give_the_unfused_values_and_errors(other_cluster, monkeypatch):
+    """DTORCH_FUSE=1 on the ranks: a replayed program's stretches of calls run as one
+    compiled function, within float tolerance of unfused execution; an op failing inside a
+    fused stretch still reads as its own error."""
+    monkeypatch.setenv("DTORCH_FUSE", "1")
+    other_cluster(n_workers=2)
+    mesh = dtorch.init_device_mesh("cpu", 2)
+    x0 = torch.randn(8, 4)
+    x = dtorch.tensor(x0, device_mesh=mesh, placements=[Shard(0)])
+
+    def body(t):
+        for _ in range(3):
+            t = torch.tanh(t * 1.5 + 0.25)
+        return t
+
+    for _ in range(3):  # sent whole, then the program defined, prepared and compiled
+        torch.testing.assert_close(body(x).to_torch(), body(x0))
+    assert all(f > 0 for f in _stats("fused"))
+
+    def factor(a):
+        return torch.linalg.cholesky(a) * 2.0 + 1.0
+
+    spd = torch.eye(3) * 2.0
+    for i, a0 in enumerate([spd, spd * 3, -spd, spd * 5]):
+        a = dtorch.tensor(a0, device_mesh=mesh, placements=[Replicate()])
+        if i == 2:
+            with pytest.raises(dtorch.RemoteError, match="cholesky"):
+                factor(a).to_torch()
+            with pytest.raises(dtorch.RemoteError, match="cholesky"):
+                dtorch.synchronize()
+        else:
+            torch.testing.assert_close(factor(a).to_torch(), factor(a0))

@@ -111,6 +111,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         self.beside_reductions = 0  # instructions run while a StartReduce was in flight
         self.prepared: dict = {}  # program id -> replay.PreparedRun
         self.replayed = 0  # instructions run from prepared programs
+        self.fused = 0  # of those, run inside a fused stretch (DTORCH_FUSE=1)
         self._poisoned_arg: Poison | None = None
         self.composite_peak_bytes = 0  # watched bytes at the peak of the last composite op
         self._handlers = {m.SetupMesh: self._setup_mesh, m.Seed: self._seed,
@@ -442,9 +443,10 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         prepared = self.prepared.get(run.program)
         if prepared is None:
             from .intern import SLOTS, loads
+            from .fusion import fuse_enabled
             from .replay import PreparedRun
             template = loads(rank_table[run.program].data, rank_table, SLOTS)
-            prepared = self.prepared[run.program] = PreparedRun(self, template)
+            prepared = self.prepared[run.program] = PreparedRun(self, template, fuse_enabled())
         self.replayed += prepared.size
         return prepared.run(run.ids, staged)
 
@@ -485,6 +487,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                 "random_values": self.random_values,
                 "beside_reductions": self.beside_reductions,
                 "replayed": self.replayed, "programs": len(self.prepared),
+                "fused": self.fused,
                 "in_flight": sum(isinstance(v, Started) for v in self.store.values()),
                 "pool_bytes": self.pool.held, "pool_reused": self.pool.reused,
                 "composite_peak_bytes": self.composite_peak_bytes,

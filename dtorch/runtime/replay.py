@@ -36,6 +36,7 @@ from typing import Callable, NamedTuple
 from . import messages as m
 from .intern import Slot
 from .interpreter import _AS_SENT, _outputs_of
+from .fusion import fuse_stretches
 from .local_graphs import tensors_of
 from .poison import Poison
 
@@ -91,9 +92,11 @@ def _reads(obj, out: set) -> None:
 class PreparedRun:
     """A program prepared for one rank's interpreter (see the module docstring)."""
 
-    def __init__(self, interp, template: list):
+    def __init__(self, interp, template: list, fuse: bool = False):
         self.interp = interp
         self.steps = [self._prepare(instr) for instr in template]
+        if fuse:
+            self.steps = fuse_stretches(self.steps)
         self.inputs = self._inputs_from_outside(template)
         self.size = len(template)
 
@@ -129,16 +132,24 @@ class PreparedRun:
 
     def run(self, ids: tuple, staged) -> list:
         """Run one instance; returns the ``(req, answer)`` pairs its requests gave."""
-        interp = self.interp
-        store = interp.store
+        store = self.interp.store
         clean = not any(type(store.get(ids[i])) is Poison for i in self.inputs)
-        answers = []
-        for kind, instr, data, fill in self.steps:
+        answers: list = []
+        self._run_steps(self.steps, ids, staged, clean, answers)
+        return answers
+
+    def _run_steps(self, steps, ids, staged, clean: bool, answers: list) -> bool:
+        """Run prepared steps; returns whether the run is still clean."""
+        interp = self.interp
+        for kind, instr, data, fill in steps:
             if kind == "call" and clean:
                 clean = self._call(instr, data, ids)
             elif kind == "free":
                 interp.instructions += 1
                 interp.free_tids([ids[i] for i in data])
+            elif kind == "fused":
+                if not (clean and self._fused(instr, data, ids)):
+                    clean = self._run_steps(fill, ids, staged, clean, answers)
             else:  # the checked path: the instruction rebuilt with this instance's ids
                 if fill is not None:
                     instr = fill(ids)
@@ -147,7 +158,29 @@ class PreparedRun:
                     answers.append(answer)
                 if clean:
                     clean = not _poisoned(interp, instr)
-        return answers
+        return clean
+
+    def _fused(self, first, fused, ids) -> bool:
+        """A stretch of calls as its compiled function (``fusion.py``); False when it could
+        not run (it then runs call by call, and never fused again)."""
+        if fused.broken:
+            return False
+        interp = self.interp
+        store = interp.store
+        interp.current = (first, time.monotonic())
+        try:
+            values = fused([store[ids[s]] for s in fused.inputs])
+        except Exception:  # noqa: BLE001 - a compile error, or an op's: the calls say which
+            fused.broken = True
+            return False
+        finally:
+            interp.current = None
+        for slot, value in zip(fused.outputs, values):
+            store[ids[slot]] = value
+        interp.free_tids([ids[s] for s in fused.frees_outside])
+        interp.instructions += fused.instructions
+        interp.fused += fused.instructions
+        return True
 
     def _call(self, instr, data, ids) -> bool:
         """A prepared call on clean inputs; False once it failed (the run is no longer clean)."""
