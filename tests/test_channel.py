@@ -1,8 +1,10 @@
 """The controller's channel to each rank: frames, the token, one hop per read."""
 
+import gc
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -73,7 +75,7 @@ def test_only_a_connection_presenting_the_token_is_accepted():
     accepted = []
     thread = threading.Thread(target=lambda: accepted.append(accept_peer(server, token)))
     thread.start()
-    stranger = socket.create_connection(server.getsockname())
+    stranger = socket.create_connection(server.getsockname(), timeout=10)
     stranger.sendall(b"\0" * TOKEN_BYTES + CONTROLLER)
     send(stranger, threading.Lock(), Batch(0, (None, ()), None, False))
     try:  # closed unread (a reset, as its frame was never read)
@@ -106,9 +108,11 @@ def test_a_rank_s_channel_refuses_everyone_once_its_controller_is_connected(mesh
 @pytest.mark.parametrize("read", ["synchronize", "item", "to_torch"])
 def test_a_read_is_one_message_to_each_rank_asked_and_one_answer_back(mesh1d, read):
     c = get_controller()
+    c.poll_s = 60.0  # no liveness question while the read waits (the fixture restores it)
     r = dtorch.tensor(torch.tensor(2.0), device_mesh=mesh1d, placements=[Replicate()])
     x = dtorch.tensor(torch.arange(16.0).reshape(4, 4), device_mesh=mesh1d,
                       placements=[Shard(0)])
+    gc.collect()  # handles of earlier tests freed now, not with the read
     dtorch.synchronize()
     sent, received = list(c.channels.sent), list(c.channels.received)
     if read == "synchronize":
@@ -122,6 +126,7 @@ def test_a_read_is_one_message_to_each_rank_asked_and_one_answer_back(mesh1d, re
         asked = range(4)
     new_sent = [a - b for a, b in zip(c.channels.sent, sent)]
     new_received = [a - b for a, b in zip(c.channels.received, received)]
+    c.poll_s = 0.5
     assert new_sent == [1 if rank in asked else 0 for rank in range(4)]
     assert new_received == new_sent
 
@@ -136,5 +141,7 @@ def test_a_rank_whose_channel_closes_fails_the_waiting_read_at_once(other_cluste
     x = dtorch.tensor(torch.arange(4.0), device_mesh=mesh, placements=[Shard(0)])
     dtorch.synchronize()
     c.issue(m.Call((), os._exit, (3,), {}, (1,)))
+    started = time.monotonic()
     with pytest.raises(dtorch.WorkerLostError, match="rank 1"):
         x.to_torch()
+    assert time.monotonic() - started < 20  # long before the first 60 s liveness poll

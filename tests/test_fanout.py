@@ -117,3 +117,29 @@ def test_a_world_beyond_the_fanout_runs_through_relays(other_cluster, monkeypatc
     assert [s["relayed"] > 0 for s in stats] == [True, False, True, False]
     sent = get_controller().channels.sent  # the controller wrote batches to 0 and 2 only
     assert sent[0] > 10 and sent[2] > 10 and sent[1] + sent[3] < sent[0] // 2, sent
+
+
+def test_two_levels_of_relays_a_head_without_work_and_acks(other_cluster, monkeypatch):
+    """8 ranks, DTORCH_FANOUT=2: heads 0 and 4 relay to 1, 3 and 5, 7; 1 and 5 relay on to
+    2 and 6. Work on ranks 5-7 passes through rank 4, which runs none of it; a flush that
+    waits for delivery hears back from every rank through the relays."""
+    assert [parent_of(r, 8, 2) for r in range(8)] == [None, 0, 1, 0, None, 4, 5, 4]
+    monkeypatch.setenv("DTORCH_FANOUT", "2")
+    c = other_cluster(n_workers=8)
+    stage = dtorch.DeviceMesh("cpu", [5, 6, 7])
+    x0 = torch.arange(12.0).reshape(6, 2)
+    x = dtorch.tensor(x0, device_mesh=stage, placements=[Shard(0)])
+    dtorch.synchronize()
+    before = {s["rank"]: s["instructions"] for s in dtorch.rank_stats()}
+    y = (x * 2 + 1).redistribute(placements=[Replicate()])
+    torch.testing.assert_close(y.to_torch(), x0 * 2 + 1)
+    dtorch.synchronize()
+    ran = {s["rank"]: s["instructions"] - before[s["rank"]] for s in dtorch.rank_stats()}
+    assert ran[5] >= ran[6] == ran[7] > 0 and ran[4] <= 1, ran  # 5 also read; 4: the Sync
+    assert [s["relayed"] > 0 for s in dtorch.rank_stats()] == \
+        [True, True, False, False, True, True, False, False]
+    x.redistribute(placements=[Replicate()])
+    acks = c.flush(delivered=True)
+    assert sorted(acks) == [5, 6, 7]
+    c.wait(acks, timeout=60)
+    dtorch.synchronize()

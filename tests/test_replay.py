@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import dtorch
 from dtorch import Replicate, Shard
 from dtorch.runtime import batches
+from dtorch.runtime.session import get_controller
 from ledgers import counted
 
 pytestmark = pytest.mark.timeout(180)
@@ -21,6 +22,12 @@ def _stats(key):
 
 def _replayed():
     return _stats("replayed")
+
+
+def _tanh_chain(t, n: int):
+    for _ in range(n):
+        t = torch.tanh(t * 1.01 + 0.5)
+    return t
 
 
 def _tp_mlp(mesh):
@@ -53,9 +60,7 @@ def test_replay_on_and_off_give_identical_values_and_instruction_counts(mesh1d):
     x = dtorch.tensor(x0, device_mesh=mesh1d, placements=[Shard(0)])
 
     def body(t):
-        for _ in range(20):
-            t = torch.tanh(t * 1.01 + 0.5)
-        return t
+        return _tanh_chain(t, 20)
 
     got, counts = {}, {}
     for replay in (True, False):
@@ -73,24 +78,32 @@ def test_replay_on_and_off_give_identical_values_and_instruction_counts(mesh1d):
 
 
 def test_an_op_failing_inside_a_replayed_run_poisons_what_follows_with_its_own_error(mesh1d):
-    """cholesky fails on the third instance only (data-dependent): its error reaches the
-    read, the run's later ops carry it, and the next instance computes again."""
-    spd = torch.eye(4) * 2.0
-    inputs = [spd, spd * 3, -spd, spd * 5]
+    """cholesky fails on the first replayed instance only (data-dependent): its error
+    reaches the read, the run's later ops carry it, and the next instance computes again."""
+    before = _replayed()
+    _cholesky_fails_at(mesh1d, 4, failing=2)
+    assert all(a > b for a, b in zip(_replayed(), before))
+
+
+def _cholesky_fails_at(mesh, n: int, failing: int) -> None:
+    """``cholesky(a) * 2 + 1`` five times; the ``failing``-th ``a`` is not positive definite
+    (the third instance is the first replayed one: the second's flush also frees the
+    first's handles)."""
+    spd = torch.eye(n) * 2.0
 
     def body(a):
         return torch.linalg.cholesky(a) * 2.0 + 1.0
 
-    for i, a0 in enumerate(inputs):
-        a = dtorch.tensor(a0, device_mesh=mesh1d, placements=[Replicate()])
-        if i == 2:
+    for i in range(5):
+        a0 = -spd if i == failing else spd * (i + 1)
+        a = dtorch.tensor(a0, device_mesh=mesh, placements=[Replicate()])
+        if i == failing:
             with pytest.raises(dtorch.RemoteError, match="cholesky"):
                 body(a).to_torch()
             with pytest.raises(dtorch.RemoteError, match="cholesky"):
                 dtorch.synchronize()
         else:
             torch.testing.assert_close(body(a).to_torch(), body(a0))
-    assert all(r > 0 for r in _replayed())
 
 
 def test_a_poisoned_input_from_outside_a_replayed_run_travels_through_it(mesh1d):
@@ -100,12 +113,15 @@ def test_a_poisoned_input_from_outside_a_replayed_run_travels_through_it(mesh1d)
     good = dtorch.tensor(torch.eye(4), device_mesh=mesh1d, placements=[Replicate()])
     for _ in range(3):  # body's run becomes a program
         torch.testing.assert_close(body(good).to_torch(), body(torch.eye(4)))
+    before = _replayed()
     bad = torch.linalg.cholesky(dtorch.tensor(-torch.eye(4), device_mesh=mesh1d,
                                               placements=[Replicate()]))
+    get_controller().flush()  # bad's failure in its own flush: body's run stays the program
     with pytest.raises(dtorch.RemoteError, match="cholesky"):
         body(bad).to_torch()
     with pytest.raises(dtorch.RemoteError):
         dtorch.synchronize()
+    assert all(a > b for a, b in zip(_replayed(), before))  # the poisoned instance replayed
     torch.testing.assert_close(body(good).to_torch(), body(torch.eye(4)))
 
 
@@ -136,24 +152,11 @@ def test_fused_stretches_give_the_unfused_values_and_errors(other_cluster, monke
     x = dtorch.tensor(x0, device_mesh=mesh, placements=[Shard(0)])
 
     def body(t):
-        for _ in range(3):
-            t = torch.tanh(t * 1.5 + 0.25)
-        return t
+        return _tanh_chain(t, 3)
 
     for _ in range(3):  # sent whole, then the program defined, prepared and compiled
         torch.testing.assert_close(body(x).to_torch(), body(x0))
     assert all(f > 0 for f in _stats("fused"))
-
-    def factor(a):
-        return torch.linalg.cholesky(a) * 2.0 + 1.0
-
-    spd = torch.eye(3) * 2.0
-    for i, a0 in enumerate([spd, spd * 3, -spd, spd * 5]):
-        a = dtorch.tensor(a0, device_mesh=mesh, placements=[Replicate()])
-        if i == 2:
-            with pytest.raises(dtorch.RemoteError, match="cholesky"):
-                factor(a).to_torch()
-            with pytest.raises(dtorch.RemoteError, match="cholesky"):
-                dtorch.synchronize()
-        else:
-            torch.testing.assert_close(factor(a).to_torch(), factor(a0))
+    fused = _stats("fused")
+    _cholesky_fails_at(mesh, 3, failing=3)  # fused from the third, failing in the fourth
+    assert all(after > before for after, before in zip(_stats("fused"), fused))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from dtorch.runtime.testing import rank_leftovers
+
 BIN = Path(sys.executable).parent
 
 SCRIPT = r"""
@@ -71,3 +73,7 @@ def test_join_external_dask_cluster(external_cluster):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"ranks": 2, "embedded": False, "ok": True, "counts": {"all_gather": 1}}
+    # the workers outlive that world: they keep none of its shards, nothing stays frozen
+    with Client(external_cluster, timeout=30) as client:
+        leftovers = client.run(rank_leftovers)
+    assert list(leftovers.values()) == [{"frozen": 0, "tensors": 0}] * 2, leftovers

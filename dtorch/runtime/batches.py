@@ -24,7 +24,7 @@ from . import messages as m
 from .intern import InternTable, definitions, dumps
 
 # instructions that neither compute nor communicate: a rank whose batch holds only these may
-# run it on the worker's event loop when its interpreter is idle (reads answer sooner)
+# run it on its channel thread when its interpreter is idle (reads answer sooner)
 QUICK = (m.Fetch, m.Sync, m.Free)
 REPLAY = True  # runs that repeat travel as a program id and their ids (tests turn it off)
 

@@ -225,7 +225,10 @@ class Channels:
     request is sent. A closed connection fails the rank's waiting futures with
     :class:`ChannelClosed` at once."""
 
-    def __init__(self, addresses: list[tuple[str, int]], token: bytes, timeout_s: float = 30.0):
+    def __init__(self, addresses: list[tuple[str, int]], token: bytes, timeout_s: float = 30.0,
+                 send_timeout_s: float | None = None):
+        self._stop = False
+        self._reader_lost: ChannelClosed | None = None
         self._socks: list[socket.socket] = []
         self._locks = [threading.Lock() for _ in addresses]
         self._futures: dict[tuple[int, int], Future] = {}
@@ -236,7 +239,9 @@ class Channels:
         self.received = [0] * len(addresses)  # answers read from each rank
         try:
             for address in addresses:
-                self._socks.append(connect(address, token, CONTROLLER, timeout_s))
+                sock = connect(address, token, CONTROLLER, timeout_s)
+                sock.settimeout(send_timeout_s)  # a rank that stops reading: an error, not a hang
+                self._socks.append(sock)
         except BaseException:
             self.close()
             raise
@@ -247,14 +252,15 @@ class Channels:
             self._readers[rank] = FrameReader()
         self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the reader
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._stop = False
         self._thread = threading.Thread(target=self._read_all, daemon=True,
                                         name="dtorch-channels")
         self._thread.start()
 
     def send(self, rank: int, message) -> None:
-        """Write ``message`` to ``rank``; ChannelClosed if its connection is gone."""
-        lost = self._closed.get(rank)
+        """Write ``message`` to ``rank``; ChannelClosed if its connection is gone or does not
+        take the bytes within ``send_timeout_s``. A write cut short (an interrupt inside it)
+        closes the connection: the rank would misread what follows."""
+        lost = self._closed.get(rank) or self._reader_lost
         if lost is not None:
             raise lost
         try:
@@ -262,6 +268,10 @@ class Channels:
             self.sent[rank] += 1
         except OSError as exc:
             raise self._mark_closed(rank, f"sending to rank {rank} failed: {exc}") from exc
+        except BaseException:
+            self._mark_closed(rank, f"a write to rank {rank} was interrupted half-way")
+            self._socks[rank].close()
+            raise
 
     def expect(self, rank: int, req: int) -> Future:
         """A Future for request ``req``'s answer from ``rank``."""
@@ -270,26 +280,39 @@ class Channels:
             key = (rank, req)
             if key in self._early:
                 fut.set_result(self._early.pop(key))
-            elif rank in self._closed:
-                fut.set_exception(self._closed[rank])
+            elif rank in self._closed or self._reader_lost is not None:
+                fut.set_exception(self._closed.get(rank) or self._reader_lost)
             else:
                 self._futures[key] = fut
         return fut
 
     def _read_all(self) -> None:
-        while not self._stop:
-            for key, _ in self._selector.select():
-                rank = key.data
-                if rank is None:
-                    return
-                try:
-                    messages = self._readers[rank].read_from(key.fileobj)
-                except ChannelClosed as exc:
-                    self._selector.unregister(key.fileobj)
-                    self._mark_closed(rank, f"rank {rank}'s channel closed: {exc}")
-                    continue
-                for message in messages:
-                    self._deliver(rank, message)
+        try:
+            while not self._stop:
+                for key, _ in self._selector.select():
+                    rank = key.data
+                    if rank is None:
+                        return
+                    try:
+                        messages = self._readers[rank].read_from(key.fileobj)
+                    except ChannelClosed as exc:
+                        self._selector.unregister(key.fileobj)
+                        self._mark_closed(rank, f"rank {rank}'s channel closed: {exc}")
+                        continue
+                    for message in messages:
+                        self._deliver(rank, message)
+        except BaseException as exc:  # noqa: BLE001 - nobody would read answers any more
+            self._fail_everything(ChannelClosed(
+                f"the controller's channel reader stopped: {type(exc).__name__}: {exc}"))
+
+    def _fail_everything(self, err: ChannelClosed) -> None:
+        """Fail every waiting answer and refuse every later request."""
+        with self._guard:
+            self._reader_lost = err
+            futures = list(self._futures.values())
+            self._futures.clear()
+        for fut in futures:
+            fut.set_exception(err)
 
     def _deliver(self, rank: int, message: Answer) -> None:
         self.received[rank] += 1
@@ -311,11 +334,14 @@ class Channels:
         return err
 
     def close(self) -> None:
-        """Close every connection and stop the reader thread."""
+        """Close every connection and stop the reader thread (again: nothing happens)."""
+        if self._stop:
+            return
         self._stop = True
         if hasattr(self, "_wake_w"):
             self._wake_w.send(b"x")
             self._thread.join(timeout=5)
+            self._selector.close()
             self._wake_r.close()
             self._wake_w.close()
         for sock in self._socks:

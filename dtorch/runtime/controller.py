@@ -25,7 +25,7 @@ from ..errors import ClusterError, InterpreterStuckError, RemoteError, WorkerLos
 from . import messages as m
 from .batches import rank_batches
 from .channel import Batch, ChannelClosed, Channels, Health, Links
-from .fanout import block_of, plan_flush, sub_blocks
+from .fanout import block_of, parent_of, plan_flush, sub_blocks
 from .cluster import exit_reason
 from .intern import InternTable
 from .interrupts import interrupts_held
@@ -92,10 +92,13 @@ class Controller:
         self._lock = threading.RLock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dtorch-fetch")
         self.fanout = fanout  # a larger world's flushes go through relays (fanout.py)
-        self.channels = Channels([info.channel for info in ranks], ranks[0].token) \
+        self.channels = Channels([info.channel for info in ranks], ranks[0].token,
+                                 send_timeout_s=self.op_timeout_s) \
             if client is not None and ranks and ranks[0].channel else None
-        if self.channels is not None and self._relayed():
-            self._link_relays()
+        if self.channels is not None:
+            if self._relayed():
+                self._link_relays()
+            self._check_channels()
 
     # ids and the stream ----------------------------------------------------------------------
     def new_tid(self) -> m.Tid:
@@ -202,6 +205,15 @@ class Controller:
                              staged.get(rank) or None, batch.quick, ack))
                 for rank, batch in batches.items()]
 
+    def _check_channels(self, wait_s: float = 30.0) -> None:
+        """One round trip on every channel before the first batch: each rank serves it (and
+        a relay has linked to its ranks, the links having come first)."""
+        reports = self._health(range(self.world), wait_s)
+        if reports is None or not all(ok for ok, _ in reports.values()):
+            self.channels.close()
+            raise ClusterError(f"the ranks' channels did not answer within {wait_s:.0f} s: "
+                               f"{reports}")
+
     def _relayed(self) -> bool:
         """Whether flushes go through relays: a world larger than the fan-out."""
         return bool(self.fanout) and self.world > self.fanout
@@ -253,10 +265,13 @@ class Controller:
                 raise TimeoutError(f"no answer from ranks {sorted(pending)} within {timeout}s")
             done, _ = wait_for(list(pending.values()), self.poll_s if left is None else
                                min(self.poll_s, left), return_when=FIRST_COMPLETED)
+            for rank, fut in pending.items():  # a lost rank: say so now, not after the rest
+                if fut.done() and fut.exception() is not None:
+                    raise self._lost(rank, fut.exception()) from fut.exception()
             pending = {r: f for r, f in pending.items() if not f.done()}
             if not done and pending:
                 self.check_alive(list(pending))
-                self.check_interpreters(list(pending))
+                self.check_interpreters(self._with_relays(pending))
         out = {}
         for rank, fut in futures.items():
             ok, value = _outcome(fut)
@@ -272,17 +287,30 @@ class Controller:
         except RuntimeError as exc:  # Dask: "Worker holding Actor was lost"
             raise self._lost(rank, exc) from exc
 
+    def _with_relays(self, ranks) -> list[int]:
+        """``ranks`` and, beyond the fan-out, the relays their batches pass through (a relay
+        that failed is why a rank waits)."""
+        out = set(ranks)
+        if self._relayed():
+            for rank in ranks:
+                parent = parent_of(rank, self.world, self.fanout)
+                while parent is not None and parent not in out:
+                    out.add(parent)
+                    parent = parent_of(parent, self.world, self.fanout)
+        return sorted(out)
+
     def _health(self, ranks, wait_s: float) -> dict | None:
         """``{rank: (ok, report)}`` from each rank's channel thread, or None when some did
         not answer within ``wait_s``."""
         req = self._new_req()
         futures = {}
-        for r in ranks:
-            futures[r] = self._expect(r, req)
-            try:
-                self.channels.send(r, Health(req))
-            except ChannelClosed:
-                pass  # its future fails with it
+        with interrupts_held():  # a question cut half-way would break the channel
+            for r in ranks:
+                futures[r] = self._expect(r, req)
+                try:
+                    self.channels.send(r, Health(req))
+                except ChannelClosed:
+                    pass  # its future fails with it
         done, waiting = wait_for(list(futures.values()), wait_s)
         if waiting:
             return None
@@ -324,7 +352,7 @@ class Controller:
     def error_for(self, failure, context: str = "", wait_s: float = 5.0):
         """The exception for a rank's failure: when its collective broke because a peer's
         connection closed, the WorkerLostError of the rank that is gone, else the
-        RemoteError. Every rank is asked (``health``, answered on its event loop); when all
+        RemoteError. Every rank is asked (``health``, answered by its channel thread); when all
         answer, no worker is lost and nothing waits. Only a rank that does not answer within
         ``wait_s`` sends the question to the scheduler."""
         err = remote_error(failure, context)
@@ -415,7 +443,7 @@ class Controller:
         try:
             if not self.closed:
                 self.flush()
-                for fut in [info.actor.close() for info in self.ranks]:
+                for fut in [info.actor.close(self._seqs[info.rank]) for info in self.ranks]:
                     fut.result(timeout=30)
                 if self.cluster is not None:  # our own workers: a quiet exit, no heartbeat noise
                     self.client.run(_quiet_logs)

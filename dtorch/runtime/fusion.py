@@ -2,7 +2,7 @@
 (``DTORCH_FUSE=1`` on the ranks; off by default).
 
 With the flag, a prepared program's (``replay.py``) longest stretches of plain single-output
-calls, frees between them allowed, become one function compiled with ``torch.compile`` on first
+calls that are not in place, frees between them allowed, become one function compiled with ``torch.compile`` on first
 use and kept with the program; the values it writes that live past the stretch are stored, the
 rest never are. Values stay within float tolerance of unfused execution (and are identical with
 the flag off). A stretch that fails to compile or to run, on clean inputs or not, runs call by
@@ -67,6 +67,14 @@ class FusedCalls:
         return self.compiled(*values)
 
 
+def _fusable(data) -> bool:
+    """A prepared call with one output that is a new value: an in-place op (its output is
+    its input's slot) never fuses, so a stretch that fails and runs again call by call
+    cannot apply a mutation twice."""
+    refs, _, outs = data
+    return len(outs) == 1 and outs[0] not in {slot for _, slot in refs}
+
+
 def fuse_stretches(steps: list) -> list:
     """``steps`` (``PreparedRun``'s) with each stretch of at least ``MIN_CALLS`` single-output
     calls (frees between them allowed) replaced by one ``("fused", first instruction,
@@ -87,7 +95,7 @@ def fuse_stretches(steps: list) -> list:
 
     for step in steps:
         kind, _, data, _ = step
-        if (kind == "call" and len(data[2]) == 1) or (kind == "free" and stretch):
+        if (kind == "call" and _fusable(data)) or (kind == "free" and stretch):
             stretch.append(step)
         else:
             close()

@@ -1,6 +1,6 @@
 """The rank's end of its channel (``channel.py``) and, in large worlds, its relay duty
-(``fanout.py``). A mixin of ``RankActor``, which gives ``rank``, ``world``, ``_cv``, ``_inbox``,
-``_next_seq``, ``_busy``, ``_run_batch`` and ``_health``.
+(``fanout.py``). A mixin of ``RankActor``, which gives ``rank``, ``world``, ``interp``, ``_cv``,
+``_inbox``, ``_next_seq``, ``_busy``, ``_fatal``, ``_run_batch`` and ``_health``.
 
 A listener on the worker's interface takes the controller's connection (answers go back on
 it) and, for a rank that is not a head the controller sends to, its relay's; then it stops
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 
-from .channel import (CONTROLLER, Answer, Batch, ChannelClosed, FrameReader, Health, Links,
-                      accept_peer, connect, listen, send)
+from .channel import (CONTROLLER, RELAY, Answer, Batch, ChannelClosed, FrameReader, Health,
+                      Links, accept_peer, connect, listen, send)
 from .fanout import Relay, block_of, parent_of, relay_for, sub_blocks
 
 
@@ -30,6 +30,9 @@ class ServesChannel:
         self._sub_blocks = sub_blocks(block_of(self.rank, self.world, fanout), fanout) \
             if tree else []
         self._children: dict[int, tuple] = {}  # head rank -> (socket, lock), once linked
+        self._linked = threading.Event()  # the links arrived (at once: nobody to relay to)
+        if not self._sub_blocks:
+            self._linked.set()
         self.relayed = 0  # Relay messages this rank forwarded
         self._accepter = threading.Thread(target=self._accept, args=(expected,), daemon=True,
                                           name=f"dtorch-channel-{self.rank}")
@@ -40,23 +43,27 @@ class ServesChannel:
         return self._listener.getsockname()[:2]
 
     def _accept(self, expected: int) -> None:
-        """Take ``expected`` connections, each served by its own thread, then stop
-        listening (later connections are refused)."""
+        """Take ``expected`` connections, each served by its own thread; the listener closes
+        before the last one is served (so once it answers, later connections are refused)."""
         try:
-            for _ in range(expected):
+            for i in range(expected):
                 peer = accept_peer(self._listener, self._token)
                 if peer is None:
                     return
                 conn, role = peer
                 if role == CONTROLLER:
                     self._channel = conn
+                if i == expected - 1:
+                    stop_listening(self._listener)
                 threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                  name=f"dtorch-channel-{self.rank}-{role.decode()}").start()
         finally:
             stop_listening(self._listener)
 
     def _serve(self, conn) -> None:
-        """Read one connection: queue batches, relay, link, answer health questions."""
+        """Read one connection: queue batches, relay, link, answer health questions. A
+        failure here (a relay that cannot forward, a frame that cannot be read) means batches
+        were lost: the rank reports it as fatal (``health()``), so reads raise, never hang."""
         reader = FrameReader()
         try:
             while True:
@@ -72,6 +79,8 @@ class ServesChannel:
                         self._link(message.addresses)
         except ChannelClosed:  # the other end closed it, or went away
             pass
+        except BaseException as exc:  # noqa: BLE001 - reported by health(), then stop
+            self._fatal = self.interp._fail("receiving batches", exc).failure
         finally:
             conn.close()
 
@@ -92,13 +101,23 @@ class ServesChannel:
 
     def _link(self, addresses: dict) -> None:
         """Connect to the heads of this rank's sub-blocks (a relay)."""
-        from .channel import RELAY
         for rank, address in sorted(addresses.items()):
             if rank not in self._children:
                 self._children[rank] = (connect(address, self._token, RELAY), threading.Lock())
+        self._linked.set()
+
+    def close_links(self) -> None:
+        """Close the connections to the heads this rank relays to."""
+        for sock, _ in self._children.values():
+            sock.close()
+        self._children.clear()
 
     def _relay(self, relay: Relay) -> None:
-        """Forward each sub-block its routes, then queue this rank's own batch."""
+        """Forward each sub-block its routes, then queue this rank's own batch. The links
+        come on the controller's connection and a relay's batches on another: wait for them.
+        A sub-block that cannot be reached raises (see ``_serve``)."""
+        if not self._linked.wait(timeout=60):
+            raise ChannelClosed("the controller never said where this relay's ranks listen")
         routes = list(relay.routes)
         for block in self._sub_blocks:
             part = relay_for(block, routes, relay.batches, relay.ack)
@@ -106,9 +125,10 @@ class ServesChannel:
                 sock, lock = self._children[block.start]
                 try:
                     send(sock, lock, part)
-                    self.relayed += 1
-                except OSError:  # that rank is gone: the controller learns it on its channel
-                    pass
+                except OSError as exc:
+                    raise RuntimeError(f"rank {self.rank} could not relay batches to rank "
+                                       f"{block.start}: {exc}") from exc
+                self.relayed += 1
         for rank, seq, index, quick, staged in routes:
             if rank == self.rank:
                 self._take(Batch(seq, relay.batches[index], staged, quick, relay.ack))

@@ -199,7 +199,13 @@ def rank_stats() -> list[dict]:
     ``running`` (the instruction the rank is in right now, e.g. ``'Call(sleep)'``, or None),
     ``beside_reductions`` (instructions the rank ran while a gradient bucket's all_reduce was
     in flight, summed over the buckets: the backward work that overlapped them),
-    ``in_flight`` (all_reduces posted and not yet finished: 0 between steps).
+    ``in_flight`` (all_reduces posted and not yet finished: 0 between steps),
+    ``interpreter_cpu_s`` / ``process_cpu_s`` (CPU seconds of the rank's interpreter thread /
+    of its whole worker process), ``replayed`` and ``programs`` (instructions run from
+    prepared programs, and how many programs the rank holds), ``fused`` (of those, run inside
+    a compiled stretch: ``DTORCH_FUSE=1``), ``relayed`` (relay messages the rank forwarded).
+    It answers now, even while a rank is still running earlier work: call
+    ``dtorch.synchronize()`` first for counts that include everything issued.
 
     >>> [s["bytes"] for s in dtorch.rank_stats()]              # doctest: +SKIP
     [400, 400, 400, 400]

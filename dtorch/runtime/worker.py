@@ -63,7 +63,6 @@ class RankActor(ServesChannel):
         self._next_seq = 0
         self._interned: dict = {}  # meshes, rank tuples and steps the controller sent by id
         self._cv = threading.Condition()
-        self._lock = threading.Lock()
         self._init_error: RemoteFailure | None = None
         self._fatal: RemoteFailure | None = None  # the interpreter cannot go on (health())
         self._closing = False
@@ -123,26 +122,51 @@ class RankActor(ServesChannel):
             out["rss"] = None
         return out
 
-    async def close(self) -> None:
+    async def close(self, final_seq: int | None = None) -> None:
+        """Stop once batches up to ``final_seq`` (the controller's count; None: whatever has
+        arrived) have run: the last flush travels on the channel, this call through Dask, so
+        the stop waits for it. Then drop this rank's state (``_release``)."""
         self._closing = True
         with self._cv:
-            self._inbox[-1] = _STOP
+            self._inbox[-1] = (_STOP, final_seq)
             self._cv.notify()
         stop_listening(self._listener)  # a channel never connected: its thread ends
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        if not self._thread.is_alive():  # a thread stuck in a collective keeps its state
+            self._release()
+
+    def _release(self) -> None:
+        """Free what this rank held and let the collector see it again: the actor and its
+        interpreter were frozen with the startup heap (``_freeze_heap``) and live in cycles,
+        so a worker that outlives its world (a cluster you run yourself) would keep every
+        shard otherwise."""
+        import gc
+        interp = self.interp
+        interp.store.clear()
+        interp.graphs.clear()
+        interp.prepared.clear()
+        interp.pool = None
+        interp.post_later = None
+        self.close_links()
+        gc.unfreeze()
 
     # interpreter thread ----------------------------------------------------------------------
     def _next_batch(self):
         with self._cv:
             self._busy = False
-            while self._next_seq not in self._inbox and -1 not in self._inbox:
+            while self._next_seq not in self._inbox and not self._stopping():
                 self._cv.wait()
-            if -1 in self._inbox and self._next_seq not in self._inbox:
+            if self._next_seq not in self._inbox:
                 return _STOP
             item = self._inbox.pop(self._next_seq)
             self._next_seq += 1
             self._busy = True
             return item
+
+    def _stopping(self) -> bool:
+        """A close arrived and every batch it waits for has run (called holding ``_cv``)."""
+        stop = self._inbox.get(-1)
+        return stop is not None and (stop[1] is None or self._next_seq >= stop[1])
 
     def _run(self, master_addr, master_port, backend, timeout_s, num_threads,
              store_socket) -> None:
@@ -256,6 +280,7 @@ def _freeze_heap() -> None:
 
     >>> import gc; _freeze_heap(); gc.get_freeze_count() > 0
     True
+    >>> gc.unfreeze()  # what RankActor.close does
     """
     import gc
     gc.collect()
