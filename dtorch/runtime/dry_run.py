@@ -68,7 +68,7 @@ class DryRunController(Controller):
         if type(message) is Batch:
             message = message._replace(staged=None)
         elif type(message) is Relay:
-            message = message._replace(routes=tuple(r[:4] + (None,) for r in message.routes))
+            message = message._replace(routes=tuple(r[:5] + (None,) for r in message.routes))
         self.sent_messages += 1
         self.sent_bytes += sum(memoryview(part).nbytes for part in encode(message))
 

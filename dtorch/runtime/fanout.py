@@ -83,9 +83,11 @@ def parent_of(rank: int, world: int, fanout: int) -> int | None:
 
 
 class Relay(NamedTuple):
-    """The batches of a block: ``routes`` are ``(rank, seq, batch index, quick, staged)``
-    in rank order, ``batches`` each distinct ``(definitions, segments)`` once; with ``ack``
-    each rank answers once it holds its batch."""
+    """The batches of a block: ``routes`` are ``(first rank, past the last, seq, batch
+    index, quick, staged)``, sorted and disjoint, one per run of consecutive ranks that get
+    the same batch with the same sequence number (a rank with staged shards has its own);
+    ``batches`` each distinct ``(definitions, segments)`` once; with ``ack`` each rank answers
+    once it holds its batch."""
 
     routes: tuple
     batches: tuple
@@ -93,40 +95,59 @@ class Relay(NamedTuple):
 
 
 def relay_for(block: range, routes: list, batches: tuple, ack) -> Relay:
-    """The Relay of the routes that fall in ``block`` (``routes`` sorted by rank), with only
-    the batches they use, re-indexed."""
-    lo = bisect.bisect_left(routes, block.start, key=lambda r: r[0])
-    hi = bisect.bisect_left(routes, block.stop, key=lambda r: r[0])
-    mine = routes[lo:hi]
+    """The Relay of the routes that fall in ``block`` (cut at its ends), with only the
+    batches they use, re-indexed."""
+    first = bisect.bisect_right(routes, block.start, key=lambda r: r[1])  # ends past start
     used: dict[int, int] = {}
-    for route in mine:
-        used.setdefault(route[2], len(used))
-    return Relay(tuple((r, seq, used[i], quick, staged) for r, seq, i, quick, staged in mine),
-                 tuple(batches[i] for i in used), ack)
+    mine = []
+    for start, stop, seq, i, quick, staged in routes[first:]:
+        if start >= block.stop:
+            break
+        mine.append((max(start, block.start), min(stop, block.stop), seq,
+                     used.setdefault(i, len(used)), quick, staged))
+    return Relay(tuple(mine), tuple(batches[i] for i in used), ack)
+
+
+def route_of(relay: Relay, rank: int) -> tuple | None:
+    """The route of ``relay`` that holds ``rank``, or None."""
+    i = bisect.bisect_right(relay.routes, rank, key=lambda r: r[0]) - 1
+    if i >= 0 and relay.routes[i][1] > rank:
+        return relay.routes[i]
+    return None
 
 
 def plan_flush(batches: dict, seqs: dict, staged: dict, world: int, fanout: int,
                ack=None) -> list[tuple[int, Relay]]:
     """``[(head rank, Relay)]``: what the controller sends for one flush in a world larger
     than ``fanout`` (``batches``: ``{rank: RankBatch}``, shared objects for ranks that get
-    the same; ``seqs``: each rank's sequence number for it).
+    the same; ``seqs``: each rank's sequence number for it). Ranks with the same batch and
+    sequence number travel as one range, so a flush for every rank costs the same at any size.
 
     >>> from dtorch.runtime.batches import RankBatch
     >>> b = RankBatch(None, (), False, 1)
-    >>> [(head, len(r.routes), len(r.batches)) for head, r in
+    >>> [(head, [route[:2] for route in r.routes], len(r.batches)) for head, r in
     ...  plan_flush({r: b for r in range(10)}, {r: 0 for r in range(10)}, {}, 10, 3)]
-    [(0, 4, 1), (4, 3, 1), (7, 3, 1)]
+    [(0, [(0, 4)], 1), (4, [(4, 7)], 1), (7, [(7, 10)], 1)]
     """
     index: dict[int, int] = {}
     distinct = []
-    routes = []
+    routes: list = []
+    last = None  # the open run: [start, stop, seq, batch index, quick, batch object]
     for rank in sorted(batches):
-        batch = batches[rank]
+        batch, seq, mine = batches[rank], seqs[rank], staged.get(rank) or None
+        if last is not None and mine is None and last[1] == rank and last[5] is batch \
+                and last[2] == seq:
+            last[1] = rank + 1
+            continue
         i = index.get(id(batch))
         if i is None:
             i = index[id(batch)] = len(distinct)
             distinct.append((batch.definitions, batch.segments))
-        routes.append((rank, seqs[rank], i, batch.quick, staged.get(rank) or None))
+        if last is not None:
+            routes.append(tuple(last[:5]) + (last[6],))
+        last = [rank, rank + 1, seq, i, batch.quick, batch if mine is None else None, mine]
+    if last is not None:
+        routes.append(tuple(last[:5]) + (last[6],))
     distinct = tuple(distinct)
     out = []
     for block in top_blocks(world, fanout):

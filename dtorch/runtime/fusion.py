@@ -71,7 +71,7 @@ def _fusable(data) -> bool:
     """A prepared call with one output that is a new value: an in-place op (its output is
     its input's slot) never fuses, so a stretch that fails and runs again call by call
     cannot apply a mutation twice."""
-    refs, _, outs = data
+    refs, _, outs, _, _ = data
     return len(outs) == 1 and outs[0] not in {slot for _, slot in refs}
 
 
@@ -86,8 +86,8 @@ def fuse_stretches(steps: list) -> list:
         calls = [s for s in stretch if s[0] == "call"]
         if len(calls) >= MIN_CALLS:
             freed = {slot for kind, _, data, _ in stretch if kind == "free" for slot in data}
-            fused = FusedCalls([(instr.fn, data[0], data[1], instr.kwargs, data[2])
-                                for _, instr, data, _ in calls], freed, len(stretch))
+            fused = FusedCalls([(fn, refs, constants, kwargs, outs) for _, _, (
+                refs, constants, outs, fn, kwargs), _ in calls], freed, len(stretch))
             out.append(("fused", calls[0][1], fused, list(stretch)))
         else:
             out.extend(stretch)

@@ -455,12 +455,13 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
 
     def free_tids(self, tids) -> None:
         """Drop these tensors (their large buffers back to the pool) or kept graphs."""
+        graphs, store, floor = self.graphs, self.store, self.pool.min_bytes
         for tid in tids:
-            self.graphs.pop(tid, None)  # a node id: the controller dropped its graph
-            value = self.store.pop(tid, None)
+            if graphs:
+                graphs.pop(tid, None)  # a node id: the controller dropped its graph
+            value = store.pop(tid, None)
             if isinstance(value, torch.Tensor):
-                if value.numel() * value.element_size() >= self.pool.min_bytes and \
-                        value.layout == torch.strided:
+                if value.nbytes >= floor and value.layout == torch.strided:
                     self.pool.give_back(value)  # reused only if nothing else can reach it
             elif isinstance(value, Started):  # never finished (a failed backward's bucket)
                 self._drop_started(value)

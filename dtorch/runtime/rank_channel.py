@@ -13,7 +13,7 @@ import threading
 
 from .channel import (CONTROLLER, RELAY, Answer, Batch, ChannelClosed, FrameReader, Health,
                       Links, accept_peer, connect, listen, send)
-from .fanout import Relay, block_of, parent_of, relay_for, sub_blocks
+from .fanout import Relay, block_of, parent_of, relay_for, route_of, sub_blocks
 
 
 class ServesChannel:
@@ -129,10 +129,10 @@ class ServesChannel:
                     raise RuntimeError(f"rank {self.rank} could not relay batches to rank "
                                        f"{block.start}: {exc}") from exc
                 self.relayed += 1
-        for rank, seq, index, quick, staged in routes:
-            if rank == self.rank:
-                self._take(Batch(seq, relay.batches[index], staged, quick, relay.ack))
-                break
+        mine = route_of(relay, self.rank)
+        if mine is not None:
+            _, _, seq, index, quick, staged = mine
+            self._take(Batch(seq, relay.batches[index], staged, quick, relay.ack))
 
     def _post(self, req: int, answer) -> None:
         """Send request ``req``'s answer to the controller (any thread)."""

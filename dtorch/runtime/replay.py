@@ -33,6 +33,8 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple
 
+from torch import Tensor
+
 from . import messages as m
 from .intern import Slot
 from .interpreter import _AS_SENT, _outputs_of
@@ -40,6 +42,9 @@ from .fusion import fuse_stretches
 from .local_graphs import tensors_of
 from .poison import Poison
 
+
+
+_monotonic = time.monotonic
 
 
 class Run(NamedTuple):
@@ -111,7 +116,8 @@ class PreparedRun:
             refs = tuple((i, a.tid.index) for i, a in enumerate(instr.args)
                          if type(a) is m.Ref)
             constants = [None if type(a) is m.Ref else a for a in instr.args]
-            return "call", instr, (refs, constants, tuple(o.index for o in instr.outs)), fill
+            outs = tuple(o.index for o in instr.outs)
+            return "call", instr, (refs, constants, outs, instr.fn, instr.kwargs), fill
         if kind is m.Free and all(type(t) is Slot for t in instr.tids):
             return "free", instr, tuple(t.index for t in instr.tids), fill
         return "other", instr, None, fill
@@ -186,18 +192,21 @@ class PreparedRun:
         """A prepared call on clean inputs; False once it failed (the run is no longer clean)."""
         interp = self.interp
         store = interp.store
-        refs, constants, outs = data
+        refs, constants, outs, fn, kwargs = data
         interp.instructions += 1
-        interp.current = (instr, time.monotonic())
+        interp.current = (instr, _monotonic())
         try:
             args = list(constants)
             for position, slot in refs:
                 args[position] = store[ids[slot]]
-            values = tensors_of(instr.fn(*args, **instr.kwargs), len(outs))
+            result = fn(*args, **kwargs)
+            if len(outs) == 1 and isinstance(result, Tensor):  # the common case, first
+                store[ids[outs[0]]] = result
+                return True
+            values = tensors_of(result, len(outs))
             ok = True
         except Exception as exc:  # noqa: BLE001 - the op's error, as in Interpreter._call
-            values = [interp._fail(getattr(instr.fn, "__name__", str(instr.fn)), exc)] * \
-                len(outs)
+            values = [interp._fail(getattr(fn, "__name__", str(fn)), exc)] * len(outs)
             ok = False
         finally:
             interp.current = None
