@@ -461,7 +461,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                 graphs.pop(tid, None)  # a node id: the controller dropped its graph
             value = store.pop(tid, None)
             if isinstance(value, torch.Tensor):
-                if value.nbytes >= floor and value.layout == torch.strided:
+                if value.layout == torch.strided and value.nbytes >= floor:
                     self.pool.give_back(value)  # reused only if nothing else can reach it
             elif isinstance(value, Started):  # never finished (a failed backward's bucket)
                 self._drop_started(value)

@@ -152,7 +152,10 @@ class PreparedRun:
                 clean = self._call(instr, data, ids)
             elif kind == "free":
                 interp.instructions += 1
-                interp.free_tids([ids[i] for i in data])
+                try:
+                    interp.free_tids([ids[i] for i in data])
+                except Exception as exc:  # noqa: BLE001 - as Interpreter.execute would
+                    interp._fail("Free", exc)
             elif kind == "fused":
                 if not (clean and self._fused(instr, data, ids)):
                     clean = self._run_steps(fill, ids, staged, clean, answers)
