@@ -170,12 +170,6 @@ class FrameReader:
         return None
 
 
-def listen(ip: str) -> socket.socket:
-    """A rank's listening socket on its worker's interface, on a free port."""
-    return socket.create_server((ip, 0), family=socket.AF_INET6 if ":" in ip else
-                                socket.AF_INET)
-
-
 def accept_peer(server: socket.socket, token: bytes) -> tuple[socket.socket, bytes] | None:
     """The next connection that presents ``token``, and the role it names after it
     (``CONTROLLER`` or ``RELAY``); others are closed unread. None once the listening socket

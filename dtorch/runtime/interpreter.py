@@ -283,34 +283,26 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                                 dtype=instr.dtype, device=self.device)
         return coord, value, poison
 
-    def _resolve_args(self, args: tuple) -> list:
-        """``_resolve`` of a call's positional arguments, with the common leaves (a shard, a
-        number) taken without recursion: the per-instruction hot path."""
-        out = []
-        for a in args:
-            kind = type(a)
-            if kind is m.Ref:
-                value = self.store[a.tid]
-                if type(value) is Poison and self._poisoned_arg is None:
-                    self._poisoned_arg = value
-                out.append(value)
-            elif kind in _AS_SENT:
-                out.append(a)
-            else:
-                out.append(self._resolve(a))
-        return out
-
     def _resolve(self, obj, subst=None):
-        if isinstance(obj, m.Ref):
+        """``obj`` with each ``Ref`` replaced by its shard (``subst`` first) and each
+        ``Coord`` by this rank's coordinate; the first Poison met is kept in
+        ``_poisoned_arg``. The common leaves (a number, a shard) come first: every call's
+        arguments pass here."""
+        kind = type(obj)
+        if kind in _AS_SENT:
+            return obj
+        if kind is m.Ref:
             value = self.store[obj.tid] if subst is None or obj.tid not in subst else \
                 subst[obj.tid]
-            if isinstance(value, Poison) and self._poisoned_arg is None:
+            if type(value) is Poison and self._poisoned_arg is None:
                 self._poisoned_arg = value  # wherever it sits: top level, list, dict
             return value
-        if isinstance(obj, m.Coord):
+        if kind is m.Coord:
             return obj.mesh.get_coordinate(self.rank)
-        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-            return type(obj)(self._resolve(x, subst) for x in obj)
+        if kind is tuple or kind is list:
+            return kind([x if type(x) in _AS_SENT else self._resolve(x, subst) for x in obj])
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):  # torch.Size
+            return kind(self._resolve(x, subst) for x in obj)
         if isinstance(obj, dict):
             return {k: self._resolve(v, subst) for k, v in obj.items()}
         return obj
@@ -322,7 +314,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
             return self._composite(instr)
         try:
             self._poisoned_arg = None
-            args = self._resolve_args(instr.args)
+            args = self._resolve(instr.args)
             kwargs = self._resolve(instr.kwargs) if instr.kwargs else {}
             poison = self._poisoned_arg
             if poison is not None:

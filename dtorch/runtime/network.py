@@ -97,13 +97,16 @@ def gloo_binding(dask_worker=None) -> tuple[str, str | None, list[str]]:
         return "hostname", name, []
 
 
+def listen_on(ip: str) -> socket.socket:
+    """A listening socket on ``ip`` at a free port (IPv4 or IPv6)."""
+    return socket.create_server((ip, 0), family=socket.AF_INET6 if ":" in ip else
+                                socket.AF_INET, backlog=128)
+
+
 def open_listener(key: str, dask_worker=None) -> tuple[str, int]:
     """Listen on this worker's own address at a free port, kept under ``key``; (ip, port)."""
     ip = worker_ip(dask_worker.address)
-    sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
-    sock.bind((ip, 0))
-    sock.listen(128)
-    _listeners[key] = sock
+    sock = _listeners[key] = listen_on(ip)
     return ip, sock.getsockname()[1]
 
 

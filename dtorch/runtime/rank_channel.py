@@ -12,15 +12,16 @@ from __future__ import annotations
 import threading
 
 from .channel import (CONTROLLER, RELAY, Answer, Batch, ChannelClosed, FrameReader, Health,
-                      Links, accept_peer, connect, listen, send)
+                      Links, accept_peer, connect, send)
 from .fanout import Relay, block_of, parent_of, relay_for, route_of, sub_blocks
+from .network import listen_on
 
 
 class ServesChannel:
     """Accepts the controller's (and a relay's) connection, queues batches, relays."""
 
     def _start_channel(self, ip: str, token: bytes, fanout: int) -> None:
-        self._listener = listen(ip)
+        self._listener = listen_on(ip)
         self._token = token
         self._send_lock = threading.Lock()
         self._channel = None  # the controller's connection, once it presented the token

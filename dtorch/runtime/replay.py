@@ -33,6 +33,7 @@ from __future__ import annotations
 import time
 from typing import Callable, NamedTuple
 
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import messages as m
@@ -82,16 +83,10 @@ def _constant(value):
     return lambda ids: value
 
 
-def _reads(obj, out: set) -> None:
-    """The slots ``obj``'s ``Ref`` placeholders read."""
-    if type(obj) is m.Ref and type(obj.tid) is Slot:
-        out.add(obj.tid.index)
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            _reads(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _reads(x, out)
+def _reads(instr) -> set:
+    """The slots ``instr``'s ``Ref`` placeholders read (once per program: pytree's walk)."""
+    leaves = pytree.tree_leaves(instr, is_leaf=lambda x: type(x) is m.Ref)
+    return {x.tid.index for x in leaves if type(x) is m.Ref and type(x.tid) is Slot}
 
 
 class PreparedRun:
@@ -128,8 +123,7 @@ class PreparedRun:
         written: set = set()
         outside: set = set()
         for instr in template:
-            read: set = set()
-            _reads(tuple(instr), read)
+            read = _reads(instr)
             if type(instr) in (m.Redistribute, m.StartReduce) and type(instr.src) is Slot:
                 read.add(instr.src.index)
             outside |= read - written
