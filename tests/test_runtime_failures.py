@@ -14,7 +14,8 @@ import dtorch
 from dtorch import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
 from dtorch.runtime import session
 from dtorch.runtime.controller import Controller
-from dtorch.runtime.interrupts import interrupts_held, sigint_handlers
+from dtorch.runtime.interrupts import interrupts_held
+from dtorch.runtime.sigint_plugin import sigint_handlers
 
 
 def complex_max_partial(mesh):

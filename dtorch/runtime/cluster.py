@@ -20,20 +20,8 @@ from typing import NamedTuple
 
 from ..errors import ClusterError
 from .channel import TOKEN_BYTES
-from .interrupts import protect_workers
-
-
-class RankInfo(NamedTuple):
-    """Where one rank lives."""
-
-    rank: int
-    address: str
-    host: str
-    actor: object
-    future: object
-    device: str = "cpu"
-    channel: tuple | None = None  # (host, port) of the rank's channel (channel.py)
-    token: bytes = b""  # what the controller presents there (made per world)
+from .rank_info import RankInfo  # noqa: F401 - re-exported
+from .sigint_plugin import protect_workers
 
 
 def free_port() -> int:

@@ -26,7 +26,6 @@ from . import messages as m
 from .batches import rank_batches
 from .channel import Batch, ChannelClosed, Channels, Health, Links
 from .fanout import block_of, parent_of, plan_flush, sub_blocks
-from .cluster import exit_reason
 from .intern import InternTable
 from .interrupts import interrupts_held
 from .wire import pack
@@ -386,6 +385,7 @@ class Controller:
     def _lost(self, rank: int, exc: BaseException | None = None) -> WorkerLostError:
         self.closed = True
         address = self.ranks[rank].address
+        from .cluster import exit_reason  # Dask: only when a rank is gone
         ended = exit_reason(address, wait_s=2.0 if self.cluster is not None else 0.0)
         why = "".join(f"; {reason}" for reason in (exc, ended) if reason)
         return WorkerLostError(f"rank {rank} (Dask worker {address}) died or left the "

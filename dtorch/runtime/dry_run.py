@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 from ..errors import DTorchError
 from .channel import Batch, encode
-from .cluster import RankInfo
+from .rank_info import RankInfo
 from .controller import Controller
 from .fanout import Relay
 

@@ -2,7 +2,7 @@
 
 Two rules keep the cluster consistent when the user interrupts:
 
-- Rank processes ignore SIGINT. A terminal's Ctrl-C and Jupyter's interrupt go to the whole
+- Rank processes ignore SIGINT (the worker plugin in :mod:`.sigint_plugin`). A terminal's Ctrl-C and Jupyter's interrupt go to the whole
   process group, which holds the embedded cluster's workers too; without this every interrupt
   killed every rank. (SIGTERM / SIGKILL still stop them.)
 - A batch reaches every rank or none. ``Controller.flush`` hands the same numbered batch to each
@@ -22,32 +22,6 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-
-from distributed.diagnostics.plugin import WorkerPlugin
-
-PLUGIN_NAME = "dtorch-ignore-sigint"
-
-
-class IgnoreInterrupts(WorkerPlugin):
-    """Worker plugin: the worker process ignores SIGINT (set from its main thread)."""
-
-    idempotent = True
-    name = PLUGIN_NAME
-
-    def setup(self, worker) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def protect_workers(client) -> None:
-    """Make every worker of ``client``'s cluster (and any that joins later) ignore SIGINT."""
-    client.register_plugin(IgnoreInterrupts(), name=PLUGIN_NAME)
-
-
-def sigint_handlers(client) -> dict:
-    """``{worker address: repr of its SIGINT handler}`` (for tests and status)."""
-    return client.run(lambda: repr(signal.getsignal(signal.SIGINT)))
-
 
 @contextmanager
 def interrupts_held():

@@ -18,8 +18,6 @@ import time
 from .. import config
 from ..errors import ClusterError
 from .fanout import fanout_setting
-from .cluster import check_dask_kwargs, connect, local_threads, place_rank_actors, \
-    start_local_cluster, worker_addresses
 from .controller import Controller
 from . import messages as m
 
@@ -58,6 +56,7 @@ def init(n_workers: int | None = None, address: str | None = None,
     (``dtorch.rank_stats()``), not sent (see :mod:`dtorch.runtime.dry_run`).
     """
     global _controller, _init_args
+    from .cluster import check_dask_kwargs  # Dask is imported when a cluster is asked for
     if device_type not in (None, "cpu", "cuda"):
         raise ClusterError(f"device_type must be 'cpu' or 'cuda'; got {device_type!r}")
     check_dask_kwargs(dask_kwargs, remote=address is not None)
@@ -108,6 +107,8 @@ def _same_cluster(c: Controller, n_workers, address, device_type, dask_kwargs,
 
 
 def _start(n_workers, address, device_type, dask_kwargs) -> Controller:
+    from .cluster import connect, local_threads, place_rank_actors, start_local_cluster, \
+        worker_addresses
     backend = "nccl" if device_type == "cuda" else "gloo"
     fanout = fanout_setting()  # a bad DTORCH_FANOUT fails here, before anything starts
     started = time.monotonic()
