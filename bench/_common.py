@@ -56,6 +56,7 @@ class Row(NamedTuple):
     unit: str = "s"
     dtorch_iqr: float = 0.0
     ref_iqr: float = 0.0
+    both_ways: bool = False  # the target bounds the ratio from below too (1/target..target)
 
     @classmethod
     def timed(cls, name: str, ours: Timing, ref: Timing, target: float | None,
@@ -76,7 +77,8 @@ class Row(NamedTuple):
     def meets(self) -> str:
         if self.target is None:
             return "info"
-        return "yes" if self.ratio <= self.target else "no"
+        low = 1 / self.target if self.both_ways else 0.0
+        return "yes" if low <= self.ratio <= self.target else "no"
 
     @property
     def spread(self) -> str:
@@ -88,7 +90,10 @@ class Row(NamedTuple):
 
     @property
     def target_shown(self) -> str:
-        return "-" if self.target is None else f"<= {self.target:.2f}x"
+        if self.target is None:
+            return "-"
+        return f"{1 / self.target:.2f}-{self.target:.2f}x" if self.both_ways else \
+            f"<= {self.target:.2f}x"
 
 
 def main(run, doc: str) -> None:

@@ -24,6 +24,7 @@ from .graph import Graph
 from .runtime.session import (cluster_info, init, manual_seed, rank_stats, restart, shutdown,
                               synchronize)
 from .runtime.dry_run import DryRunError
+from .runtime.links import measure_links, predict, time_comms
 from torch import (bfloat16, bool, complex64, float16, float32, float64, int8, int16, int32,
                    int64, uint8)
 

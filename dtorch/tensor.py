@@ -201,6 +201,24 @@ class DTensor(TensorProtocol):
             placements = self._spec.placements
         return self._redistribute_to(mesh, placements)
 
+    def predict_redistribute(self, device_mesh: DeviceMesh | None = None, placements=None,
+                             model=None):
+        """What ``redistribute(device_mesh, placements)`` would cost, without running it: the
+        cost model's :class:`dtorch.cost.Prediction` of each planned step (its collective,
+        groups, bytes per rank, predicted seconds) and the total. ``model`` defaults to the
+        cluster's fitted links (``dtorch.measure_links``, measured on first use).
+
+        >>> print(x.predict_redistribute(placements=[Replicate()]))   # doctest: +SKIP
+        all_gather on 0: 1 group of 4, 4.0 MiB/rank -> 7.1 ms
+        total 7.1 ms
+        """
+        from .runtime.links import predict
+        spec = self._spec
+        mesh = device_mesh if device_mesh is not None else spec.mesh
+        placements = spec.placements if placements is None else placements
+        return predict(plan_redistribute(spec.mesh, spec.shape, spec.placements, placements,
+                                         spec.dtype.itemsize, dst_mesh=mesh), model)
+
     def _redistribute_to(self, mesh: DeviceMesh, placements) -> "DTensor":
         """The redistribute users call: recorded for backward when ``self`` requires grad."""
         out = self._move(mesh, placements)

@@ -1,10 +1,28 @@
 """Shared fixtures: one real 4-rank Dask cluster for the whole test session, and the pure
 meshes the planner and layout tests use (no cluster)."""
 
+import os
+import shutil
+import tempfile
+
 import pytest
 
 import dtorch
 from dtorch import init_device_mesh
+
+
+def pytest_configure(config):
+    """The cost model's fitted links go to a directory of this test session's (never the
+    user's ~/.cache/dtorch); kernels and workers the tests start inherit it."""
+    if "DTORCH_CACHE_DIR" not in os.environ:
+        os.environ["DTORCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="dtorch-test-cache-")
+        config._dtorch_cache = os.environ["DTORCH_CACHE_DIR"]
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_dtorch_cache", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -10,11 +10,15 @@ agree without talking. Example (on a worker)::
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+from contextlib import contextmanager
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..comm_debug import dim_name
 from ..layout import chunk_sizes, local_shape
 from ..mesh import DeviceMesh
 from .poison_flag import (first_flagged, flag_codes, flag_element, flagged_row,
@@ -49,6 +53,44 @@ class counted:  # noqa: N801 - a namespace: the collectives, counted (used by co
 def collective_calls() -> int:
     """torch.distributed collectives this process has issued through dtorch's steps."""
     return _calls[0]
+
+
+_seconds: Counter = Counter()  # "kind dim" -> seconds this process spent inside collectives
+
+
+def comm_key(step) -> str:
+    """How measured times are keyed: ``"all_gather dp"`` (``dim_name``: the mesh dim's name,
+    else its index, ``-`` for none), the same key the controller's records give.
+
+    >>> from dtorch.comm_debug import CommRecord
+    >>> comm_key(CommRecord("all_reduce", 1, None, ((0, 1),), 8))
+    'all_reduce 1'
+    """
+    return f"{step.kind} {dim_name(step)}"
+
+
+def add_comm_time(step, started: float) -> None:
+    """Add the seconds since ``started`` (``time.perf_counter()``) to ``step``'s key."""
+    _seconds[comm_key(step)] += time.perf_counter() - started
+
+
+@contextmanager
+def uncounted():
+    """Collectives run inside count in no ledger: ``dist_calls`` and ``comm_seconds`` are put
+    back afterwards (the cost model's timing runs, ``link_timing.py``)."""
+    calls, seconds = _calls[0], Counter(_seconds)
+    try:
+        yield
+    finally:
+        _calls[0] = calls
+        _seconds.clear()
+        _seconds.update(seconds)
+
+
+def comm_seconds() -> dict:
+    """``{"kind dim": seconds}`` this process spent inside redistribute steps and composite
+    all_to_alls (``rank_stats()["comm_seconds"]``; the kernel's per-cell measured time)."""
+    return dict(_seconds)
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
                "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -391,8 +433,10 @@ def send_recv(step, local, ctx, poisoned: bool = False):
             if received.numel():
                 ops.append(dist.P2POp(dist.irecv, received, src))
     if ops:
+        started = time.perf_counter()
         for work in counted.batch_isend_irecv(ops):
             work.wait()
+        add_comm_time(step, started)
     if received is not None:
         return received.to(ctx.dtype), bool(flag_in.item())
     keeps = ctx.dst_mesh.get_coordinate(ctx.rank) is not None
@@ -417,7 +461,11 @@ def run_step(step, local: torch.Tensor, ctx: StepContext,
     if not step.is_collective:
         return _RUNNERS[step.kind](step, local, ctx, group, None), None
     pg = ctx.group_of(group)
-    return _RUNNERS[step.kind](step, local, ctx, group, pg, poisoned)
+    started = time.perf_counter()
+    try:
+        return _RUNNERS[step.kind](step, local, ctx, group, pg, poisoned)
+    finally:
+        add_comm_time(step, started)
 
 
 def is_comm_failure(exc: BaseException) -> bool:

@@ -13,12 +13,13 @@ and no peer waits. Example (on a worker, from ``Interpreter._call``)::
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
 
 from . import messages as m
-from .collectives import counted, slots_of
+from .collectives import add_comm_time, counted, slots_of
 from .poison_flag import first_flagged, flagged_row
 
 
@@ -118,7 +119,9 @@ class _Run:
         size = math.prod(pad_shape)
         send[:, size:].fill_(int(self.poison is not None))  # the flag rides in each piece
         recv = torch.empty_like(send)
+        started = time.perf_counter()
         counted.all_to_all_single(recv, send, group=pg)
+        add_comm_time(step, started)
         peer = first_flagged(recv[:, size], group, slots_of(group))
         if peer is not None:
             self.peer_failed(peer, "all_to_all")

@@ -76,6 +76,7 @@ class Controller:
         self.op_timeout_s = float(os.environ.get("DTORCH_OP_TIMEOUT", "600"))
         self.live_tensors = 0
         self.closed = False
+        self.link_model = None  # the cost model's fits for this cluster (runtime/links.py)
         self._pending: list = []
         self._staged: dict[int, dict] = {}
         self._freed: deque[tuple] = deque()  # (tid, ranks) from __del__, drained by flush
@@ -158,16 +159,19 @@ class Controller:
             raise ClusterError(f"the mesh names rank {top} but the cluster has {self.world} ranks "
                                f"(0..{self.world - 1}); use ranks below {self.world} or start a "
                                f"bigger cluster with dtorch.init(n_workers={top + 1})")
+        self.ensure_groups(g for dim in range(mesh.ndim) for g in mesh.groups(dim))
+        self._meshes_ready.add(mesh)
+
+    def ensure_groups(self, groups) -> None:
+        """Create the process groups of these rank tuples on first use (with the next batch)."""
         new = []
-        for dim in range(mesh.ndim):
-            for group in mesh.groups(dim):
-                key = tuple(sorted(group))
-                if len(group) > 1 and key not in self._groups_made:
-                    self._groups_made.add(key)
-                    new.append(key)
+        for group in groups:
+            key = tuple(sorted(group))
+            if len(group) > 1 and key not in self._groups_made:
+                self._groups_made.add(key)
+                new.append(key)
         if new:
             self.issue(m.SetupMesh(tuple(new), self.backend))
-        self._meshes_ready.add(mesh)
 
     def flush(self, delivered: bool = False) -> dict:
         """Ship everything pending: each rank gets one batch on its channel.

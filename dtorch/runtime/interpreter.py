@@ -25,7 +25,8 @@ from ..redistribute import COLLECTIVES
 from . import messages as m
 from .buffers import BufferPool, use_as_rank_pool
 from .wire import pack, unpack
-from .collectives import StepContext, collective_calls, is_comm_failure, run_step, send_recv
+from .collectives import (StepContext, collective_calls, comm_seconds, is_comm_failure,
+                          run_step, send_recv)
 from .composite import run_composite
 from . import random_masks
 from .local_graphs import LocalGraph, LocalGraphs, tensors_of as _tensors_of  # noqa: F401
@@ -118,6 +119,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                           m.Create: self._create, m.Load: self._load,
                           m.Redistribute: self._redistribute, m.Call: self._call,
                           m.Fetch: self._fetch, m.Sync: self._sync, m.Free: self._free,
+                          m.MeasureLinks: self._measure_links,
                           m.Eager: self._eager, m.Unflatten: self._unflatten,
                           m.RecordedCall: self._recorded_call, m.Backward: self._backward,
                           m.Checkpoint: self._checkpoint,
@@ -421,6 +423,12 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         from . import checkpoint_io
         return checkpoint_io.run(self, instr, self.post_later)
 
+    def _measure_links(self, instr: m.MeasureLinks):
+        if self.broken is not None:  # never start collectives the peers may not be in
+            return instr.req, ("err", self.broken)
+        from .link_timing import time_collective
+        return instr.req, ("ok", time_collective(instr, self))
+
     def _sync(self, instr: m.Sync):
         errors, self.errors = self.errors, []
         if self.dropped_errors:
@@ -488,4 +496,5 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                 "graph_bytes": sum(g.nbytes() for g in self.graphs.values()
                                    if isinstance(g, LocalGraph)),
                 "storage_bytes": self._storage_bytes(tensors),
-                "dist_calls": collective_calls()}
+                "dist_calls": collective_calls(),
+                "comm_seconds": comm_seconds()}

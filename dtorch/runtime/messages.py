@@ -147,6 +147,19 @@ class Sync(NamedTuple):
     req: int
 
 
+class MeasureLinks(NamedTuple):
+    """Every rank times ``kind`` on ``groups`` (a mesh dim's groups, all at once; for
+    ``send_recv`` ``(source, destination)`` pairs) at each of ``sizes`` bytes per rank,
+    ``repeats`` times, each after a barrier; answers ``req`` with ``{size: [seconds]}`` (empty
+    on a rank in no group). Its collectives stay out of the ledgers (``link_timing.py``)."""
+
+    req: int
+    kind: str
+    groups: tuple
+    sizes: tuple[int, ...]
+    repeats: int
+
+
 class Free(NamedTuple):
     """Drop the local shards of these tensors (held by ``ranks``; None: ask every rank)."""
 

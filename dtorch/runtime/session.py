@@ -184,14 +184,20 @@ def manual_seed(seed: int) -> None:
 
 
 def cluster_info() -> dict:
-    """Ranks, their Dask worker addresses, devices, backend and dashboard link."""
+    """Ranks, their Dask worker addresses, devices, backend and dashboard link; ``links``: the
+    cost model's fits (``dtorch.measure_links``; empty until measured), one dict per
+    collective kind, group size and number of groups, with ``alpha_us``, ``beta_ns_per_byte``,
+    ``bandwidth_gb_s`` and the measured ``points``."""
+    from .links import current_model
     c = get_controller()
     link = getattr(c.client, "dashboard_link", None) if c.cluster is not None else None
+    model = current_model(c)
     return {"ranks": c.world, "backend": c.backend, "device_type": c.device_type,
             "workers": {info.rank: info.address for info in c.ranks},
             "devices": {info.rank: info.device for info in c.ranks},
             "scheduler": c.client.scheduler.address, "dashboard": link,
-            "embedded": c.cluster is not None, "live_tensors": c.live_tensors}
+            "embedded": c.cluster is not None, "live_tensors": c.live_tensors,
+            "links": model.rows() if model is not None else []}
 
 
 def rank_stats() -> list[dict]:
