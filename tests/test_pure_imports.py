@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 PURE = ("dtorch", "dtorch.ops", "dtorch.redistribute", "dtorch.layout", "dtorch.cost",
-        "dtorch.spec", "dtorch_widgets", "dtorch_widgets.explorer_model")
+        "dtorch.spec", "dtorch_widgets", "dtorch_widgets.explorer_model",
+        "dtorch_widgets.op_model")
 
 CHECK = """
 import importlib, sys

@@ -3,7 +3,9 @@
 Static pictures (pure HTML/SVG, size-capped; what ``_repr_html_`` returns):
 :func:`mesh_html`, :func:`shard_html`, :func:`comm_html`, :func:`dtensor_html`.
 Interactive widgets (``ipywidgets.VBox`` subclasses whose state reads without a frontend):
-:class:`MeshView`, :class:`ShardView`, :class:`CommView`. Example::
+:class:`MeshView`, :class:`ShardView`, :class:`CommView`; explorers (anywidgets, state in
+traitlets): :class:`PlacementExplorer` (a redistribute's plan, animated, predicted and run)
+and :class:`OpExplorer` (an op's rule on input layouts, or its fixes). Example::
 
     >>> from dtorch import init_device_mesh, Shard, Replicate
     >>> from dtorch_widgets import MeshView, ShardView
@@ -19,9 +21,11 @@ from .display import comm_mimebundle, dtensor_mimebundle, mesh_mimebundle
 from .comm_picture import comm_html
 from .html import dtensor_html, mesh_html, shard_html
 from .mesh_view import MeshView
+from .op_explorer import OpExplorer
+from .placement_explorer import PlacementExplorer
 from .shard_view import ShardView
 from .tiles import Tiling
 
-__all__ = ["MeshView", "ShardView", "CommView", "Tiling", "mesh_html", "shard_html",
+__all__ = ["MeshView", "ShardView", "CommView", "PlacementExplorer", "OpExplorer", "Tiling", "mesh_html", "shard_html",
            "comm_html", "dtensor_html", "mesh_mimebundle", "dtensor_mimebundle",
            "comm_mimebundle"]
