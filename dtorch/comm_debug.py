@@ -34,6 +34,7 @@ class CommRecord(NamedTuple):
     reduce_op: str | None = None
     phase: str = "forward"  # "backward" for the collectives a backward pass ran
     gradient_of: str | None = None  # the parameter whose gradient it reduced (backward)
+    origin: str | None = None  # what issued it: "redistribute [S(0)] -> [R]", "torch.matmul"
 
     @property
     def total_bytes(self) -> int:
@@ -132,6 +133,32 @@ def gradients_text(names, limit: int = 3) -> str:
 _listeners: list[CommLedger] = []
 _phase = ["forward"]
 _gradient_of: list = [None]
+_origin: list = [None]
+
+
+@contextmanager
+def origin(name: str):
+    """Records made inside name ``name`` as what issued them (an op whose rule or decomposition
+    runs collectives; the outermost name wins).
+
+    >>> from dtorch import init_device_mesh, Shard, Replicate, plan_redistribute
+    >>> steps = plan_redistribute(init_device_mesh("cpu", 2), (4,), [Shard(0)], [Replicate()])
+    >>> ledger = CommLedger(); listen(ledger)
+    >>> record_steps(steps, "redistribute [S(0)] -> [R]")
+    >>> with origin("torch.cdist"):
+    ...     record_steps(steps, "redistribute [S(0)] -> [R]")
+    >>> unlisten(ledger); [r.origin for r in ledger.records]
+    ['redistribute [S(0)] -> [R]', 'torch.cdist']
+    """
+    _origin.append(_origin[-1] or name)
+    try:
+        yield
+    finally:
+        _origin.pop()
+
+
+def current_origin() -> str | None:
+    return _origin[-1]
 
 
 @contextmanager
@@ -178,16 +205,18 @@ def record_constant(nbytes: int, ranks: int) -> None:
         ledger.add_constant(nbytes)
 
 
-def record_steps(steps: Iterable) -> None:
+def record_steps(steps: Iterable, issued_by: str | None = None) -> None:
     """Record the collective steps of a redistribute plan, or of a composite op's plan
-    (``CompositePlan.collectives``: its all_to_all and send_recv steps, as the ranks run them)."""
+    (``CompositePlan.collectives``: its all_to_all and send_recv steps, as the ranks run them);
+    ``issued_by`` names what issued them when no enclosing :func:`origin` does."""
     if not _listeners:
         return
+    who = _origin[-1] or issued_by
     for s in steps:
         if s.kind in COMM_KINDS:
             op = s.src.reduce_op if s.kind in ("all_reduce", "reduce_scatter") else None
             record(CommRecord(s.kind, s.mesh_dim, s.mesh_dim_name, s.groups, s.bytes_per_rank, op,
-                              _phase[-1], _gradient_of[-1]))
+                              _phase[-1], _gradient_of[-1], who))
 
 
 def listen(ledger: CommLedger) -> None:

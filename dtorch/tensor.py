@@ -243,7 +243,9 @@ class DTensor(TensorProtocol):
         if steps:
             c.issue(m.Redistribute(out, self._tid, spec.shape, spec.dtype, spec.mesh,
                                    mesh if mesh != spec.mesh else None, steps, ranks))
-            comm_debug.record_steps(steps)
+            if comm_debug._listeners:  # what issued it, for the kernel's %dtorch explain
+                comm_debug.record_steps(steps, f"redistribute {format_placements(spec.placements)}"
+                                        f" -> {format_placements(steps[-1].after)}")
         else:  # a different mesh whose ranks sit at the same coordinates: nothing moves
             c.issue(m.Call((out,), _identity, (m.Ref(self._tid),), {}, ranks))
         return DTensor._wrap(target, out, c)

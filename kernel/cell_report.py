@@ -13,7 +13,11 @@ After the cell (``post_run_cell``, which ipykernel triggers before it builds the
 3. wait until what the ranks printed meanwhile has arrived (worker output forwarding);
 4. when the cell issued collectives or sent constants (plain tensors, see
    :mod:`dtorch.ops.constants`) and counts are on, display one summary of them
-   (``text/plain`` line plus a small HTML table), before the error if there is one.
+   (``text/plain`` line plus a small HTML table), before the error if there is one. Beside
+   each kind and mesh dim: the cost model's predicted time (``dtorch.predict`` of the cell's
+   records; the first prediction fits the links, a few seconds once per cluster) and the
+   time the slowest rank spent in them (``rank_stats()["comm_seconds"]``, one more round
+   trip). With counts off nothing is predicted or fetched: no cell waits for it.
 
 A cell that shipped nothing (plain Python) never waits. An interrupted cell (KeyboardInterrupt)
 is not waited for either: the ranks finish its work in the background, in order, and the next
@@ -29,7 +33,7 @@ from dtorch import comm_debug
 from dtorch.errors import DTorchError
 from dtorch.runtime import session
 
-from .summary import summary_bundle, summary_metadata
+from .summary import CellTiming, summary_bundle, summary_metadata
 
 
 def _running():
@@ -53,6 +57,8 @@ class CellReport:
         self._ledger: comm_debug.CommLedger | None = None
         self._before = (None, None)
         self._owed = False  # an interrupted cell shipped work nobody has waited for yet
+        self.last_timing: CellTiming | None = None
+        self._comm_base: tuple | None = None  # (controller, {rank: comm seconds}) or unknown
 
     # registration ---------------------------------------------------------------------------
     def register(self) -> None:
@@ -75,6 +81,9 @@ class CellReport:
         comm_debug.listen(self._ledger)
         c = _running()
         self._before = (c, _shipped(c))
+        if self.counts_enabled and c is not None and (self._comm_base is None or
+                                                      self._comm_base[0] is not c):
+            self._comm_base = (c, self._comm_seconds(c))
         if self.forwarder is not None:  # worker output arriving from now on is this cell's
             self.forwarder.parent = getattr(self.shell, "parent_header", None)
 
@@ -85,8 +94,14 @@ class CellReport:
             else (0, 0)
         self.last_records, self.last_constants = records, constants
         error = self._finish_work(result)
+        self.last_timing = None
+        if records and self.counts_enabled and error is None and \
+                not isinstance(error_of(result), KeyboardInterrupt):
+            self.last_timing = self._timing(records)
+        elif records:
+            self._comm_base = None  # this cell's time was not read: the next cell starts anew
         if (records or constants[0]) and self.counts_enabled:
-            self._display(records, constants)
+            self._display(records, constants, self.last_timing)
         if error is not None:
             self._set_cell_error(result, error)
 
@@ -135,6 +150,36 @@ class CellReport:
             return exc
         return None
 
+    def _timing(self, records) -> CellTiming | None:
+        """The cell's predicted and measured communication time (after its work ran)."""
+        c = _running()
+        if c is None:
+            return None
+        from dtorch.runtime import links
+        try:
+            prediction = links.predict(records)
+        except Exception:  # noqa: BLE001 - a dry run, a broken world: show what is known
+            prediction = None
+        now = self._comm_seconds(c)
+        if self._comm_base is not None and self._comm_base[0] is c:
+            base = self._comm_base[1]
+        else:  # a world started in this cell counts from zero; otherwise unknown
+            base = {} if self._before[0] is not c else None
+        measured = {}
+        if now is not None and base is not None:
+            measured = links.comm_delta(base, now)[1]
+        self._comm_base = (c, now) if now is not None else None
+        return CellTiming.of(records, prediction, measured)
+
+    @staticmethod
+    def _comm_seconds(c):
+        """Each rank's cumulative ``comm_seconds`` (None when they could not be read)."""
+        from dtorch.runtime import links
+        try:
+            return links.comm_seconds_by_rank(c)
+        except Exception:  # noqa: BLE001 - a dry run or a lost rank: no measured time
+            return None
+
     def _drain(self, controller) -> None:
         if self.forwarder is None:
             return
@@ -143,11 +188,11 @@ class CellReport:
         except Exception:  # noqa: BLE001 - output forwarding is best effort
             pass
 
-    def _display(self, records, constants=(0, 0)) -> None:
+    def _display(self, records, constants=(0, 0), timing=None) -> None:
         from IPython.display import display
         try:
-            display(summary_bundle(records, constants=constants), raw=True,
-                    metadata=summary_metadata(records, constants))
+            display(summary_bundle(records, constants=constants, timing=timing), raw=True,
+                    metadata=summary_metadata(records, constants, timing))
         except Exception:  # noqa: BLE001
             pass
 

@@ -7,6 +7,7 @@
     %dtorch shutdown      # stop the cluster; the next DTensor op starts a new one
     %dtorch counts on     # show each cell's collectives (the default)
     %dtorch counts off
+    %dtorch explain       # the last cell's collectives by what issued them: predicted, measured
     %dtorch help
 
 ``%dtorch status`` never starts a cluster.
@@ -24,7 +25,7 @@ from dtorch.runtime import session
 
 from .summary import fmt_bytes
 
-USAGE = "usage: %dtorch [status | restart | shutdown | counts [on|off] | help]"
+USAGE = "usage: %dtorch [status | restart | shutdown | counts [on|off] | explain | help]"
 
 
 def status_lines(counts_enabled: bool = True, stats: bool = True) -> list[str]:
@@ -67,6 +68,20 @@ def status_bundle(counts_enabled: bool = True, stats: bool = True) -> dict:
 
 @magics_class
 class DTorchMagics(Magics):
+    def _explain(self) -> list[str]:
+        """``%dtorch explain``'s lines for the last cell that ran collectives."""
+        from .explain import explain_lines
+        records = self.report.last_records
+        prediction = None
+        if records and session.is_running():
+            from dtorch.runtime import links
+            try:
+                prediction = links.predict(records)
+            except Exception:  # noqa: BLE001 - a dry run: no prediction, the rest stands
+                prediction = None
+        timing = self.report.last_timing
+        return explain_lines(records, prediction, timing.measured if timing else {})
+
     """The ``%dtorch`` line magic; ``report`` is the kernel's CellReport."""
 
     def __init__(self, shell, report):
@@ -75,7 +90,7 @@ class DTorchMagics(Magics):
 
     @line_magic
     def dtorch(self, line: str = ""):
-        """%dtorch [status | restart | shutdown | counts [on|off] | help]"""
+        """%dtorch [status | restart | shutdown | counts [on|off] | explain | help]"""
         args = line.split()
         cmd = args[0].lower() if args else "status"
         if cmd == "status" and len(args) <= 1:
@@ -94,8 +109,11 @@ class DTorchMagics(Magics):
                 if args[1].lower() not in ("on", "off"):
                     raise UsageError(USAGE)
                 self.report.counts_enabled = args[1].lower() == "on"
+                self.report._comm_base = None  # measured time restarts from the next cell
             state = "on" if self.report.counts_enabled else "off"
             print(f"dtorch: per-cell collective summary {state}")
+        elif cmd == "explain" and len(args) == 1:
+            print("\n".join(self._explain()))
         elif cmd in ("help", "-h", "--help"):
             print(__doc__.strip())
         else:

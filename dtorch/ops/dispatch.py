@@ -26,7 +26,7 @@ from .infer import rebuild
 from .registry import DECOMPOSED as _DECOMPOSED
 from .registry import DECOMPOSED_WHEN as _DECOMPOSED_WHEN
 from .registry import PREP as _PREP
-from .registry import TArg, prep_call
+from .registry import TArg, display_name, prep_call
 from .signature_plan import EAGER, Plan, plan_signature
 
 _CACHE_MAX = 50_000
@@ -145,7 +145,8 @@ def _decomposes(func, args, kwargs) -> bool:
 
 def _dispatch(func, args, kwargs=None):
     if func in _DECOMPOSED and _decomposes(func, args, kwargs):  # runs as other DTensor ops
-        result = _DECOMPOSED[func](func, *constants.swap_plain(func, args, kwargs or {}))
+        with comm_debug.origin(display_name(func)):
+            result = _DECOMPOSED[func](func, *constants.swap_plain(func, args, kwargs or {}))
         if result is not NotImplemented:
             return result
     if func in _PREP:  # index/size values given as tensors (tensor_split's indices) -> ints
@@ -202,7 +203,7 @@ def _dispatch(func, args, kwargs=None):
         cargs = _fill(plan.args, tensors)
         ckwargs = _fill_kwargs(plan.kwargs, tensors)
         if type(plan.fn) is m.CompositePlan:  # a composite op: the ledger counts its steps
-            comm_debug.record_steps(plan.fn.collectives)
+            comm_debug.record_steps(plan.fn.collectives, display_name(func))
     if plan.inplace is not None:
         target = tensors[plan.inplace]
         c.issue(_new_tuple(_Call, ((target._tid,), plan.fn, tuple(cargs), ckwargs, plan.ranks)))

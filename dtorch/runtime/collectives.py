@@ -55,9 +55,6 @@ def collective_calls() -> int:
     return _calls[0]
 
 
-_seconds: Counter = Counter()  # "kind dim" -> seconds this process spent inside collectives
-
-
 def comm_key(step) -> str:
     """How measured times are keyed: ``"all_gather dp"`` (``dim_name``: the mesh dim's name,
     else its index, ``-`` for none), the same key the controller's records give.
@@ -69,28 +66,22 @@ def comm_key(step) -> str:
     return f"{step.kind} {dim_name(step)}"
 
 
-def add_comm_time(step, started: float) -> None:
-    """Add the seconds since ``started`` (``time.perf_counter()``) to ``step``'s key."""
-    _seconds[comm_key(step)] += time.perf_counter() - started
+def add_comm_time(seconds: Counter | None, step, started: float) -> None:
+    """Add the seconds since ``started`` (``time.perf_counter()``) to ``step``'s key of
+    ``seconds`` (a rank's ``Interpreter.comm_seconds``; None: not kept)."""
+    if seconds is not None:
+        seconds[comm_key(step)] += time.perf_counter() - started
 
 
 @contextmanager
 def uncounted():
-    """Collectives run inside count in no ledger: ``dist_calls`` and ``comm_seconds`` are put
-    back afterwards (the cost model's timing runs, ``link_timing.py``)."""
-    calls, seconds = _calls[0], Counter(_seconds)
+    """Collectives run inside do not count in ``dist_calls`` (the cost model's timing runs,
+    ``link_timing.py``, which keep no ``comm_seconds`` either)."""
+    calls = _calls[0]
     try:
         yield
     finally:
         _calls[0] = calls
-        _seconds.clear()
-        _seconds.update(seconds)
-
-
-def comm_seconds() -> dict:
-    """``{"kind dim": seconds}`` this process spent inside redistribute steps and composite
-    all_to_alls (``rank_stats()["comm_seconds"]``; the kernel's per-cell measured time)."""
-    return dict(_seconds)
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
                "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -107,6 +98,7 @@ class StepContext(NamedTuple):
     group_of: Callable[[tuple[int, ...]], object]
     device: torch.device = torch.device("cpu")
     pool: object = None  # a BufferPool: outputs and send buffers reuse freed memory
+    comm_seconds: Counter | None = None  # "kind dim" -> seconds inside collectives (kept)
 
 
 def _empty(ctx: StepContext, shape, dtype) -> torch.Tensor:
@@ -436,7 +428,7 @@ def send_recv(step, local, ctx, poisoned: bool = False):
         started = time.perf_counter()
         for work in counted.batch_isend_irecv(ops):
             work.wait()
-        add_comm_time(step, started)
+        add_comm_time(ctx.comm_seconds, step, started)
     if received is not None:
         return received.to(ctx.dtype), bool(flag_in.item())
     keeps = ctx.dst_mesh.get_coordinate(ctx.rank) is not None
@@ -465,7 +457,7 @@ def run_step(step, local: torch.Tensor, ctx: StepContext,
     try:
         return _RUNNERS[step.kind](step, local, ctx, group, pg, poisoned)
     finally:
-        add_comm_time(step, started)
+        add_comm_time(ctx.comm_seconds, step, started)
 
 
 def is_comm_failure(exc: BaseException) -> bool:

@@ -121,7 +121,7 @@ class _Run:
         recv = torch.empty_like(send)
         started = time.perf_counter()
         counted.all_to_all_single(recv, send, group=pg)
-        add_comm_time(step, started)
+        add_comm_time(self.interp.comm_seconds, step, started)
         peer = first_flagged(recv[:, size], group, slots_of(group))
         if peer is not None:
             self.peer_failed(peer, "all_to_all")

@@ -25,8 +25,7 @@ from ..redistribute import COLLECTIVES
 from . import messages as m
 from .buffers import BufferPool, use_as_rank_pool
 from .wire import pack, unpack
-from .collectives import (StepContext, collective_calls, comm_seconds, is_comm_failure,
-                          run_step, send_recv)
+from .collectives import StepContext, collective_calls, is_comm_failure, run_step, send_recv
 from .composite import run_composite
 from . import random_masks
 from .local_graphs import LocalGraph, LocalGraphs, tensors_of as _tensors_of  # noqa: F401
@@ -103,6 +102,7 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         self.errors: list[RemoteFailure] = []
         self.dropped_errors = 0
         self.counts: Counter = Counter()
+        self.comm_seconds: Counter = Counter()  # "kind dim" -> seconds inside collectives
         self.mine: dict[int, tuple] = {}  # id(composite table) -> (table, this rank's entry)
         self.group_of = group_of
         self.make_groups = make_groups
@@ -240,7 +240,8 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
             return
         coord, value, poison = got
         ctx = StepContext(self.rank, instr.shape, instr.dtype, instr.mesh,
-                          instr.dst_mesh or instr.mesh, self.group_of, self.device, self.pool)
+                          instr.dst_mesh or instr.mesh, self.group_of, self.device, self.pool,
+                          self.comm_seconds)
         try:
             for step in instr.steps:
                 if step.kind == "send_recv":
@@ -497,4 +498,4 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
                                    if isinstance(g, LocalGraph)),
                 "storage_bytes": self._storage_bytes(tensors),
                 "dist_calls": collective_calls(),
-                "comm_seconds": comm_seconds()}
+                "comm_seconds": dict(self.comm_seconds)}

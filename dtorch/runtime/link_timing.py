@@ -6,8 +6,9 @@ on a mesh whose last dim's groups are the ones asked for, with one shard of the 
 each rank. ``send_recv`` sends along the given ``(source, destination)`` pairs at once. Each
 size runs ``repeats + 1`` times (the first warms the buffers and the process group up and is
 dropped), each after a barrier of the whole world, so the ranks start together and the time is
-the collective's own. The calls are taken off the ledgers afterwards
-(``collectives.uncounted``): they count in no cell's collectives or measured time. Example (on
+the collective's own. They count in no ledger: not in the rank's step counts, not in its
+``dist_calls`` (``collectives.uncounted``) and not in its ``comm_seconds`` (the context keeps
+none), so no cell's collectives or measured time include them. Example (on
 a rank)::
 
     time_collective(MeasureLinks(req, "all_reduce", ((0, 1), (2, 3)), (65536,), 3), interp)

@@ -210,7 +210,10 @@ def rank_stats() -> list[dict]:
     ``interpreter_cpu_s`` / ``process_cpu_s`` (CPU seconds of the rank's interpreter thread /
     of its whole worker process), ``replayed`` and ``programs`` (instructions run from
     prepared programs, and how many programs the rank holds), ``fused`` (of those, run inside
-    a compiled stretch: ``DTORCH_FUSE=1``), ``relayed`` (relay messages the rank forwarded).
+    a compiled stretch: ``DTORCH_FUSE=1``), ``relayed`` (relay messages the rank forwarded),
+    ``comm_seconds`` (``{"kind dim": seconds}`` the rank spent inside redistribute steps and
+    composite ops' all_to_alls of this world; gradient buckets and context parallelism's ring
+    shifts overlap compute and are not in it).
     It answers now, even while a rank is still running earlier work: call
     ``dtorch.synchronize()`` first for counts that include everything issued.
 
