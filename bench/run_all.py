@@ -65,7 +65,8 @@ from _common import Row, command, machine, markdown, now, table  # noqa: E402
 BENCHES = ("redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
            "startup.py", "op_overhead.py", "reads.py", "tp_mlp_vs_dtensor.py", "pipeline.py",
            "llama_vs_dtensor.py", "llama_cp.py", "controller_scaling.py",
-           "redistribute_multinode.py", "optim_step.py", "train_step.py", "train_llama.py")
+           "redistribute_multinode.py", "optim_step.py", "train_step.py", "train_llama.py",
+           "prediction.py")
 
 
 def main() -> int:

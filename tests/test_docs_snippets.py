@@ -122,6 +122,14 @@ def _ddp(s):
     assert s["mode"].get_comm_counts() == {"all_reduce": 1}
 
 
+def _cost_model(s):
+    t = s["t"]
+    assert t.counts == {"all_gather": 1} and t.comm_s > 0
+    assert [c.kind for c in t.predicted.steps] == ["all_gather"] and t.predicted.total_s > 0
+    rows = dtorch.cluster_info()["links"]  # the prediction fitted what it needed
+    assert ("all_gather", 4, 1) in {(r["kind"], r["group_size"], r["groups"]) for r in rows}
+
+
 CHECKS = {
     "d.local_shapes()": _quick_example,
     "out = xs @ ws": _operators,
@@ -134,6 +142,7 @@ CHECKS = {
     "opt = dtorch.optim.AdamW(": _optim,
     "dtorch.checkpoint.save_async(": _checkpoint,
     "model = dtorch.DistributedDataParallel(net": _ddp,
+    "t = dtorch.time_comms(": _cost_model,
 }
 
 
