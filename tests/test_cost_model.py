@@ -142,3 +142,16 @@ def test_a_dry_run_cannot_measure_but_predicts_with_a_given_model(other_cluster)
         x.predict_redistribute(placements=[Replicate()])
     model = LinkModel((LinkFit("all_gather", 4, 1, 1e-4, 0.0),))
     assert x.predict_redistribute(placements=[Replicate()], model=model).total_s == 1e-4
+
+
+def test_a_plan_beyond_the_cluster_is_refused_before_anything_is_sent(live):
+    big = init_device_mesh("cpu", 8)
+    steps = plan_redistribute(big, (8, 8), [Shard(0)], [Replicate()])
+    issued = live.issued
+    with pytest.raises(ClusterError, match="names rank 7 but the cluster has 4 ranks"):
+        dtorch.predict(steps)
+    with pytest.raises(ClusterError, match="names rank 7"):
+        dtorch.measure_links(meshes=[big])
+    assert live.issued == issued
+    model = LinkModel((LinkFit("all_gather", 8, 1, 1e-4, 0.0),))
+    assert dtorch.predict(steps, model).total_s == 1e-4  # a given model needs no cluster

@@ -428,7 +428,10 @@ class Interpreter(LocalGraphs, ReductionsInFlight):
         if self.broken is not None:  # never start collectives the peers may not be in
             return instr.req, ("err", self.broken)
         from .link_timing import time_collective
-        return instr.req, ("ok", time_collective(instr, self))
+        try:
+            return instr.req, ("ok", time_collective(instr, self))
+        except Exception as exc:  # noqa: BLE001 - a lost peer or a timeout breaks the world
+            return instr.req, ("err", self._collective_failure("measure_links", exc).failure)
 
     def _sync(self, instr: m.Sync):
         errors, self.errors = self.errors, []

@@ -100,6 +100,8 @@ def measure_links(force: bool = False, meshes: Iterable | None = None) -> LinkMo
     from ..mesh import DeviceMesh
     meshes = list(meshes) if meshes is not None else list(c._meshes_ready)
     meshes.append(DeviceMesh(c.device_type, list(range(c.world))))
+    for mesh in meshes:  # a mesh this cluster cannot run is refused before anything is sent
+        c.ensure_mesh(mesh)
     specs: dict = {}
     for mesh in meshes:
         for dim in range(mesh.ndim):
@@ -149,6 +151,11 @@ def _is_dry(c) -> bool:
 
 
 def _ensure(c, specs: dict, force: bool) -> LinkModel:
+    top = max((r for groups in specs.values() for g in groups for r in g), default=0)
+    if top >= c.world:
+        raise ClusterError(f"the plan names rank {top} but the cluster has {c.world} ranks "
+                           f"(0..{c.world - 1}); predict plans of meshes within the cluster, "
+                           f"or pass model= to predict without it")
     model = current_model(c)
     todo = {k: g for k, g in specs.items() if force or not model.has(*k)}
     if todo:
