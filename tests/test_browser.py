@@ -39,6 +39,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 SUMMARY_TITLE = "dtorch: collectives issued by this cell"
+EXPLORER_SHOT = ROOT / "docs" / "images" / "placement_explorer.png"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 STDERR_MIME = "application/vnd.jupyter.stderr"
 SETTINGS = {  # JupyterLab user settings: every cell in the DOM, no news or update pop-ups
@@ -211,7 +212,8 @@ CELLS_JS = """() => [...document.querySelectorAll('.jp-NotebookPanel .jp-Noteboo
     outputs: [...c.querySelectorAll('.jp-OutputArea-output')].map(o => ({
       mime: o.getAttribute('data-mime-type') || '',
       text: o.textContent,
-      widget: !!o.querySelector(':scope > .jupyter-widgets, :scope > * > .jupyter-widgets'),
+      widget: !!o.querySelector(':scope > .jupyter-widgets, :scope > * > .jupyter-widgets, ' +
+                                ':scope > * > .dx-explorer'),  // anywidget views: their own root
     })),
   }))"""
 
@@ -320,6 +322,37 @@ def check_collectives_notebook(cs: list[dict]) -> None:
         assert summary_kinds(cs, marker) == kinds, marker
 
 
+def check_placement_explorer(page, shot: Path) -> None:
+    """08: the first PlacementExplorer (Shard(0) -> Replicate) is drawn with its plan; picking
+    S(1) as the target redraws the plan as an all_to_all (a kernel round trip, read from the
+    page); its run button reports a measured time; play animates the transfers; a screenshot
+    of it, blocks in flight, is saved to ``shot``."""
+    explorer = page.locator(".dx-explorer:not(.dx-op)").first
+    plan = explorer.locator(".dx-plan")
+    assert "all_gather" in plan.text_content() and explorer.locator(".dx-tile").count() > 0
+    explorer.locator('select.dx-pick[data-side="dst"]').first.select_option("S(1)")
+    wait_for(lambda: "all_to_all" in plan.text_content(), 30, "the plan to redraw")
+    assert "all_gather" not in plan.text_content()
+    explorer.locator(".dx-run-button").click()
+    measured = explorer.locator(".dx-measured")
+    wait_for(lambda: "measured" in measured.text_content(), 60, "the run's measured time")
+    assert "all_to_all ×1" in measured.text_content(), measured.text_content()
+    assert "value equals torch's" in measured.text_content(), measured.text_content()
+    explorer.locator(".dx-play").click()  # the transfers fly (JS errors would show up here)
+    explorer.locator(".dx-flying").first.wait_for(timeout=5_000)
+    page.wait_for_timeout(300)
+    explorer.screenshot(path=str(shot))
+
+
+def js_errors(page) -> list[str]:
+    """Collects the page's uncaught exceptions and console errors from now on."""
+    found: list[str] = []
+    page.on("pageerror", lambda exc: found.append(f"uncaught: {exc}"))
+    page.on("console", lambda msg: found.append(f"console: {msg.text}")
+            if msg.type == "error" else None)
+    return found
+
+
 def check_mesh_view_is_live(page) -> None:
     """01: clicking a MeshView's "dp" button redraws its picture (a kernel round trip)."""
     view = page.locator(".jp-OutputArea-output",
@@ -338,6 +371,7 @@ def check_mesh_view_is_live(page) -> None:
 def test_notebook_runs_in_jupyterlab(path, lab, browser, tmp_path):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(30_000)
+    errors_in_js = js_errors(page)
     try:
         open_notebook(page, lab, path.name)
         menu(page, "Run", "Run All Cells")
@@ -349,6 +383,11 @@ def test_notebook_runs_in_jupyterlab(path, lab, browser, tmp_path):
             check_mesh_view_is_live(page)
         if path.name.startswith("02_"):
             check_collectives_notebook(cs)
+        if path.name.startswith("08_"):
+            check_placement_explorer(page, tmp_path / "placement_explorer.png")
+            if os.environ.get("DTORCH_UPDATE_SCREENSHOTS") == "1":  # docs/jupyter.md's picture
+                shutil.copy(tmp_path / "placement_explorer.png", EXPLORER_SHOT)
+            assert errors_in_js == [], errors_in_js
         check_next_links(page, path.name)
     except BaseException:
         report_failure(page, lab, tmp_path / f"{path.stem}.png")

@@ -18,6 +18,7 @@ browser, or Python) runs the rule again. Example::
 
 from __future__ import annotations
 
+from html import escape
 from pathlib import Path
 
 import anywidget
@@ -88,6 +89,22 @@ class OpExplorer(anywidget.AnyWidget):
                             for s in outcome.outputs]
             self.fixes = [fix_row(f) for f in outcome.fixes]
             self.error = outcome.error
+
+    def _repr_mimebundle_(self, **kwargs):
+        data, metadata = super()._repr_mimebundle_(**kwargs)
+        data["text/html"] = self.static_html()
+        return data, metadata
+
+    def static_html(self) -> str:
+        """The outputs, or the error and its fixes, as static HTML (what a saved notebook
+        shows without widgets)."""
+        lines = [f"{self.op} on inputs " + ", ".join("[" + ", ".join(p) + "]"
+                                                     for p in self.placements)]
+        lines += [f"output {tuple(o['shape'])}: [{', '.join(o['placements'])}]"
+                  for o in self.outputs]
+        if self.error:
+            lines.append(self.error)
+        return "<pre>" + escape("\n".join(lines)) + "</pre>"
 
 
 def fix_row(fix: O.Fix) -> dict:

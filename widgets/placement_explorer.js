@@ -4,7 +4,7 @@
 // Python never sends SVG; a picker change or a step change only sets a traitlet.
 
 const SVGNS = "http://www.w3.org/2000/svg";
-const TILE_W = 150, TILE_H = 96, GAP = 14, PAD = 10, LABEL_H = 14, MAX_RECTS = 256;
+const TILE_W = 104, TILE_H = 84, GAP = 10, PAD = 6, LABEL_H = 14, MAX_RECTS = 256;
 const FLY_MS = 900;
 
 function el(tag, cls, text, parent) {
@@ -101,7 +101,7 @@ function drawTiles(parent, model, layout, x0, y0, groupOf) {
       stroke: group !== undefined ? colors[(group + 10) % colors.length] : "#bbb",
       "stroke-width": group !== undefined ? 3 : 1 }, g);
     const label = svg("text", { x: tx + 6, y: ty + 12, class: "dx-tile-label" }, g);
-    label.textContent = `rank ${b.rank}` + (group !== undefined ? ` · group ${group}` : "") +
+    label.textContent = `rank ${b.rank}` + (group !== undefined ? ` · g${group}` : "") +
       (b.partial ? " · partial" : "");
     const ox = tx + 4, oy = ty + LABEL_H + 4;
     svg("rect", { x: ox, y: oy, width: cols * cell, height: rows * cell, class: "dx-tensor" }, g);
