@@ -89,8 +89,9 @@ class LinkFit(NamedTuple):
 def fit_link(kind: str, group_size: int, groups: int,
              points: Sequence[tuple[int, float]]) -> LinkFit:
     """The line through the measured ``(bytes per rank, seconds)`` points: ``alpha`` is the
-    time of the smallest size (latency-bound), ``beta`` the least-squares slope of the others
-    through ``(0, alpha)``, so the largest sizes, which predictions extrapolate from, set the
+    time of the smallest size (latency-bound; the second smallest's when that is lower: jitter
+    only ever adds time), ``beta`` the least-squares slope of the others through
+    ``(0, alpha)``, so the largest sizes, which predictions extrapolate from, set the
     bandwidth. Both are kept non-negative.
 
     >>> f = fit_link("all_reduce", 2, 1, [(n, 2e-4 + n * 1e-9) for n in (1e3, 1e5, 1e6)])
@@ -100,7 +101,7 @@ def fit_link(kind: str, group_size: int, groups: int,
     pts = sorted((int(n), float(t)) for n, t in points if t > 0)
     if not pts:
         raise ValueError(f"no measured points to fit {kind} on groups of {group_size}")
-    alpha = pts[0][1]
+    alpha = min(t for _, t in pts[:2])
     rest = [(wire_bytes(kind, group_size, n), t - alpha) for n, t in pts[1:]]
     sxx = sum(x * x for x, _ in rest)
     beta = max(0.0, sum(x * y for x, y in rest) / sxx) if sxx > 0 else 0.0

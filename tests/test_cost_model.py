@@ -35,8 +35,10 @@ def test_fit_recovers_a_synthetic_line():
 
 
 def test_fit_keeps_alpha_and_beta_non_negative():
-    f = fit_link("all_reduce", 2, 1, [(1024, 5e-3), (2**20, 1e-3), (2**22, 1e-3)])
-    assert f.alpha_s == 5e-3 and f.beta_s_per_byte == 0.0
+    f = fit_link("all_reduce", 2, 1, [(1024, 1e-3), (2**20, 2e-3), (2**22, 0.5e-3)])
+    assert f.alpha_s == 1e-3 and f.beta_s_per_byte == 0.0  # a falling line: latency only
+    jitter = fit_link("all_reduce", 2, 1, [(1024, 5e-3), (16384, 1e-3), (2**22, 2e-3)])
+    assert jitter.alpha_s == 1e-3  # a slow smallest size is jitter: the next one is alpha
 
 
 def test_prediction_of_each_seed_transition(m4):

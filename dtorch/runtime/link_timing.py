@@ -5,7 +5,8 @@ A kind is timed as the ranks run it for a redistribute: a planned ``Step`` throu
 on a mesh whose last dim's groups are the ones asked for, with one shard of the asked size on
 each rank. ``send_recv`` sends along the given ``(source, destination)`` pairs at once. Each
 size runs ``repeats + 1`` times (the first warms the buffers and the process group up and is
-dropped), each after a barrier of the whole world, so the ranks start together and the time is
+dropped; each result goes back to the rank's buffer pool, as a freed result does, so the next
+run reuses its memory as a steady stream of redistributes would), each after a barrier of the whole world, so the ranks start together and the time is
 the collective's own. They count in no ledger: not in the rank's step counts, not in its
 ``dist_calls`` (``collectives.uncounted``) and not in its ``comm_seconds`` (the context keeps
 none), so no cell's collectives or measured time include them. Example (on
@@ -41,9 +42,11 @@ def time_collective(instr, interp) -> dict:
             for _ in range(instr.repeats + 1):
                 dist.barrier()
                 start = time.perf_counter()
-                if run is not None:
-                    run()
+                result = run() if run is not None else None
                 times.append(time.perf_counter() - start)
+                if result is not None:  # back to the pool, as a freed redistribute result is
+                    interp.pool.give_back(result)
+                    del result
             if run is not None:
                 out[int(size)] = times[1:]
     return out
@@ -67,7 +70,7 @@ def _runner(kind: str, groups, interp, nbytes: int):
     local = torch.ones((rows, cols), dtype=torch.float32, device=interp.device)
     ctx = StepContext(interp.rank, shape, torch.float32, mesh, mesh, interp.group_of,
                       interp.device, interp.pool)
-    return lambda: run_step(step, local, ctx)
+    return lambda: run_step(step, local, ctx)[0]
 
 
 def _local_shape(nbytes: int, p: int) -> tuple[int, int]:
