@@ -48,8 +48,8 @@ CASES = [((4, 4), (4,), ["S(0)"], ["R"]), ((4, 4), (4,), ["S(0)"], ["S(1)"]),
 @pytest.mark.parametrize("shape, mesh_shape, src, dst", CASES, ids=str)
 def test_setting_src_and_dst_gives_the_planners_steps(shape, mesh_shape, src, dst):
     """Set through the traitlets (as the pickers do) from an all-Replicate start.
-    Mutations: observing only ``src`` in ``__init__``; ``step_row`` writing ``s.groups[:1]``
-    or ``bytes_per_rank`` of the wrong step."""
+    Mutations: observing only ``src`` in ``__init__``; ``step_row`` writing
+    ``s.groups[:1]``."""
     mesh = init_device_mesh("cpu", mesh_shape)
     e = PlacementExplorer(shape, mesh, links=LINKS)
     assert e.steps == []
@@ -108,6 +108,7 @@ def test_a_placement_that_does_not_fit_is_an_error_not_an_exception(dst, message
 
 
 def test_unreadable_placement_text_says_what_to_write():
+    """Mutation: ``parse_placement`` reading unknown text as Replicate (no error)."""
     e = PlacementExplorer((4,), init_device_mesh("cpu", 4))
     e.src = ["Q(1)"]
     assert "cannot read 'Q(1)' as a placement; write S(d)" in e.error
@@ -143,8 +144,9 @@ SEED_TRANSITIONS = {  # seed 002's four transitions on a 1-D mesh of 4, tensor (
 @pytest.mark.parametrize("src, dst", list(SEED_TRANSITIONS), ids=str)
 def test_seed_transitions_move_the_right_blocks(src, dst):
     """Mutations: ``_pieces`` using ``box_minus`` for reducing steps too (all_reduce sends
-    nothing: the receiver held the whole block), swapping ``sent``/``wanted`` in
-    ``intersect``'s call, or ``reduces`` always False."""
+    nothing: the receiver held the whole block), ``step_frames`` passing the receiver's block
+    after as the sent one and the sender's before as the wanted one, or ``reduces`` always
+    False."""
     kind, expected = SEED_TRANSITIONS[(src, dst)]
     e = PlacementExplorer((4, 4), init_device_mesh("cpu", 4), [src], [dst])
     assert [s["kind"] for s in e.steps] == [kind]
@@ -154,8 +156,8 @@ def test_seed_transitions_move_the_right_blocks(src, dst):
 
 def test_uneven_shards_send_their_own_sizes():
     """(5, 3) on 4 ranks: rows 2, 2, 1, 0. Rank 3 holds nothing, so it sends nothing and gets
-    all 5 rows. Mutation: ``_block``-style even split (``offset = rank * 2``) in place of the
-    layout math, or dropping the empty-intersection test (a 0-row transfer from rank 3)."""
+    all 5 rows. Mutation: ``intersect`` keeping empty overlaps (``hi < lo`` for ``hi <= lo``:
+    0-row transfers from rank 3)."""
     e = PlacementExplorer((5, 3), init_device_mesh("cpu", 4), ["S(0)"], ["R"])
     rows = {0: ((0, 0), (2, 3)), 1: ((2, 0), (2, 3)), 2: ((4, 0), (1, 3))}
     assert transfers(e.frames[0]) == {(s, r, *rows[s], False) for r in range(4)
@@ -167,8 +169,8 @@ def test_uneven_shards_send_their_own_sizes():
 
 
 def test_empty_shards_take_no_part_in_the_transfers():
-    """(3,) on 4 ranks: rank 3's block is empty. Mutation: ``_pieces`` without the ``region
-    is None`` test (``intersect`` returning empty boxes instead)."""
+    """(3,) on 4 ranks: rank 3's block is empty. Mutation: ``intersect`` keeping empty
+    overlaps (``hi < lo`` for ``hi <= lo``)."""
     mesh = init_device_mesh("cpu", 4)
     e = PlacementExplorer((3,), mesh, ["S(0)"], ["R"])
     assert transfers(e.frames[0]) == {(s, r, (s,), (1,), False) for r in range(4)
@@ -195,8 +197,9 @@ def test_a_nested_shard_on_a_2d_mesh_gathers_inner_first():
 
 
 def test_local_steps_move_nothing():
-    """R -> S(0) is a slice, S(0) -> P(max) an all_gather then a local to_partial.
-    Mutation: ``step_frames`` without the ``is_collective`` test (a slice's 'transfers')."""
+    """R -> S(0) is a slice, S(0) -> P(max) an all_gather then a local to_partial: the rule
+    sends nothing a receiver already held. Mutation: ``_pieces`` sending the whole overlap
+    for every step (``boxes = [region]``: a slice's ranks would "receive" their own rows)."""
     e = PlacementExplorer((4, 4), init_device_mesh("cpu", 4), ["R"], ["S(0)"])
     assert [s["kind"] for s in e.steps] == ["slice"] and e.frames == [[]]
     e.src, e.dst = ["S(0)"], ["P(max)"]
@@ -207,8 +210,8 @@ def test_local_steps_move_nothing():
 @pytest.mark.parametrize("shape, mesh_shape, src, dst", CASES, ids=str)
 def test_gathering_steps_fill_exactly_what_each_receiver_lacked(shape, mesh_shape, src, dst):
     """For every gathering step, what a rank held before (and keeps) plus what it receives is
-    its block after, element for element, with nothing received twice. Mutation: ``box_minus``
-    dropping the pieces after the held block (``(hi, end)``)."""
+    its block after, element for element, with nothing received twice. Mutation: ``intersect``
+    taking the larger end (``max(ao + an, bo + bn)``: regions beyond the receiver's block)."""
     mesh = init_device_mesh("cpu", mesh_shape)
     for view in explore(shape, mesh, src, dst).steps:
         if view.step.kind not in ("all_gather", "all_to_all"):
@@ -227,6 +230,7 @@ def _cells(offset, shape) -> set:
 
 
 def test_a_move_to_another_mesh_sends_each_block_to_its_pair():
+    """Mutation: ``step_frames`` reading a send_recv pair as ``(dst, src)``."""
     from dtorch import DeviceMesh
     from dtorch_widgets.explorer_model import step_frames
     a, b = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])
@@ -281,6 +285,7 @@ def test_op_explorer_switching_a_picker_updates_it_live():
 
 
 def test_op_explorer_says_how_to_give_the_inputs():
+    """Mutation: ``as_spec`` raising without ``USAGE``."""
     with pytest.raises(TypeError, match=r"\(shape, mesh, placements\[, dtype\]\)"):
         OpExplorer(torch.relu, torch.ones(3))
 

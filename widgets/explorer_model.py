@@ -8,8 +8,10 @@ A step on mesh dim ``k`` runs in the rank groups ``step.groups``. In each group,
   ``s``'s block before the step that lies in ``r``'s block after it (added into ``r``'s);
 * a gathering step (``all_gather``, ``all_to_all``): the part of ``s``'s block before that
   lies in ``r``'s block after and that ``r`` did not hold before;
-* ``send_recv`` (a move to another mesh): ``s`` sends its whole block to its pair;
-* local steps (``slice``, ``to_partial``) move nothing.
+* ``send_recv`` (a move to another mesh): ``s`` sends its whole block to its pair.
+
+Local steps (``slice``, ``to_partial``) follow the gathering rule and move nothing: every rank
+held all it keeps.
 
 Empty intersections (empty shards, the short chunks of uneven ones) are no transfer. Example::
 
@@ -184,8 +186,6 @@ def step_frames(shape, mesh, step: Step) -> tuple[Transfer, ...]:
         return tuple(Transfer(s, d, before[mesh.ranks.index(s)].offset,
                               before[mesh.ranks.index(s)].shape, False)
                      for s, d in step.groups if not _is_empty(before[mesh.ranks.index(s)]))
-    if not step.is_collective:
-        return ()
     after = layouts(shape, mesh, step.after)
     index = {r: i for i, r in enumerate(mesh.ranks)}
     reduces = step.kind in REDUCING
