@@ -21,8 +21,9 @@ from dtorch_widgets.explorer_model import Transfer, explore
 
 R = Replicate()
 LINKS = LinkModel((LinkFit("all_gather", 4, 1, 1e-4, 1e-9), LinkFit("all_to_all", 4, 1, 2e-4, 2e-9),
-                   LinkFit("all_reduce", 4, 1, 3e-4, 1e-9), LinkFit("reduce_scatter", 4, 1, 1e-4, 3e-9),
-                   LinkFit("all_gather", 2, 2, 5e-5, 1e-9)))
+                   LinkFit("all_reduce", 4, 1, 3e-4, 1e-9),
+                   LinkFit("reduce_scatter", 4, 1, 1e-4, 3e-9),
+                   LinkFit("all_gather", 2, 2, 5e-5, 1e-9)))  # synthetic (alpha s, beta s/B)
 
 
 def transfers(frames) -> set:

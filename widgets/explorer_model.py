@@ -178,8 +178,10 @@ def step_frames(shape, mesh, step: Step) -> tuple[Transfer, ...]:
     >>> from dtorch import init_device_mesh, Partial, Shard, plan_redistribute
     >>> m = init_device_mesh("cpu", 2)
     >>> step, = plan_redistribute(m, (2, 2), [Partial()], [Shard(0)])
-    >>> step_frames((2, 2), m, step)
-    (Transfer(src=1, dst=0, offset=(0, 0), shape=(1, 2), reduces=True), Transfer(src=0, dst=1, offset=(1, 0), shape=(1, 2), reduces=True))
+    >>> for t in step_frames((2, 2), m, step):   # each rank adds the other's part of its row
+    ...     print(t)
+    Transfer(src=1, dst=0, offset=(0, 0), shape=(1, 2), reduces=True)
+    Transfer(src=0, dst=1, offset=(1, 0), shape=(1, 2), reduces=True)
     """
     before = layouts(shape, mesh, step.before)
     if step.kind == "send_recv":

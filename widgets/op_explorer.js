@@ -1,28 +1,7 @@
-// OpExplorer's view (anywidget ESM): a picker per input per mesh dim; the rule's output
-// placements, or the PlacementError with each fix (its redistributes, their collectives,
-// bytes per rank, predicted time, the output once applied) and a button that applies it.
-
-function el(tag, cls, text, parent) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined && text !== null) e.textContent = text;
-  if (parent) parent.appendChild(e);
-  return e;
-}
-
-function fmtBytes(n) {
-  for (const [unit, size] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
-    if (n >= size) return `${(n / size).toFixed(1)} ${unit}`;
-  }
-  return `${n} B`;
-}
-
-function fmtSeconds(s) {
-  if (s === null || s === undefined) return "?";
-  if (s < 1e-3) return `${Math.round(s * 1e6)} us`;
-  if (s < 1) return `${(s * 1e3).toFixed(1)} ms`;
-  return `${s.toFixed(2)} s`;
-}
+// OpExplorer's view (anywidget ESM, after explorer_common.js): a picker per input per mesh
+// dim; the rule's output placements, or the PlacementError with each fix (its redistributes,
+// their collectives, bytes per rank, predicted time, the output once applied) and a button
+// that applies it.
 
 function setPlacement(model, input, dim, value) {
   const next = model.get("placements").map((p) => [...p]);

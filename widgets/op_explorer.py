@@ -28,7 +28,7 @@ from dtorch.errors import DTorchError
 
 from . import op_model as O
 from .explorer_model import placement_choices
-from .placement_explorer import placement_texts, predictor
+from .placement_explorer import placement_texts, predictor, view_module
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,7 +38,7 @@ class OpExplorer(anywidget.AnyWidget):
     DTensor or ``(shape, mesh, placements[, dtype])``; ``kwargs`` the call's non-tensor keyword
     arguments; ``links`` a ``dtorch.cost.LinkModel`` (default: the cluster's fitted links)."""
 
-    _esm = (HERE / "op_explorer.js").read_text()
+    _esm = view_module("op_explorer.js")
     _css = (HERE / "explorer.css").read_text()
 
     op = T.Unicode().tag(sync=True)

@@ -1,19 +1,11 @@
-// PlacementExplorer's view (anywidget ESM). Everything drawn comes from the model's traitlets:
-// layouts (who holds which block), steps (kind, groups, bytes, predicted time, the layouts
-// around each step) and frames (per step, the transfers: src rank, dst rank, region, reduces).
-// Python never sends SVG; a picker change or a step change only sets a traitlet.
+// PlacementExplorer's view (anywidget ESM, after explorer_common.js). Everything drawn comes
+// from the model's traitlets: layouts (who holds which block), steps (kind, groups, bytes,
+// predicted time, the layouts around each step) and frames (per step, the transfers: src rank,
+// dst rank, region, reduces). Python never sends SVG; a picker or step change sets a traitlet.
 
 const SVGNS = "http://www.w3.org/2000/svg";
 const TILE_W = 104, TILE_H = 84, GAP = 10, PAD = 6, LABEL_H = 14, MAX_RECTS = 256;
 const FLY_MS = 900;
-
-function el(tag, cls, text, parent) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined && text !== null) e.textContent = text;
-  if (parent) parent.appendChild(e);
-  return e;
-}
 
 function svg(tag, attrs, parent) {
   const e = document.createElementNS(SVGNS, tag);
@@ -23,20 +15,6 @@ function svg(tag, attrs, parent) {
 }
 
 function prod(xs) { return xs.reduce((a, b) => a * b, 1); }
-
-export function fmtBytes(n) {
-  for (const [unit, size] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
-    if (n >= size) return `${(n / size).toFixed(1)} ${unit}`;
-  }
-  return `${n} B`;
-}
-
-export function fmtSeconds(s) {
-  if (s === null || s === undefined) return "?";
-  if (s < 1e-3) return `${Math.round(s * 1e6)} us`;
-  if (s < 1) return `${(s * 1e3).toFixed(1)} ms`;
-  return `${s.toFixed(2)} s`;
-}
 
 function regionText(offset, shape) {
   if (!offset.length) return "the scalar";
@@ -72,7 +50,7 @@ function blockRects(shape, offset, bshape) {
 }
 
 // where each rank's tile sits: the mesh's last dim across, the others stacked down
-export function tilePlaces(meshShape, ranks, coordOf) {
+function tilePlaces(meshShape, ranks, coordOf) {
   const cols = meshShape.length === 1 ? Math.min(meshShape[0], 8) : meshShape[meshShape.length - 1];
   const places = {};
   for (const r of ranks) {

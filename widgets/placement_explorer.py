@@ -44,6 +44,11 @@ NO_PREDICTION = ("no prediction: pass links=, or start the cluster (any DTensor 
                  "from its measured links")
 
 
+def view_module(name: str) -> str:
+    """A view's ES module: the helpers both explorers share, then ``name``'s own code."""
+    return (HERE / "explorer_common.js").read_text() + "\n" + (HERE / name).read_text()
+
+
 def placement_texts(values) -> list[str]:
     """Picker values from placements or their text: ``[Shard(0), "R"]`` -> ``["S(0)", "R"]``.
 
@@ -87,7 +92,7 @@ class PlacementExplorer(anywidget.AnyWidget):
     ``src``/``dst`` are one placement per mesh dim (objects or text; default all Replicate),
     ``links`` a ``dtorch.cost.LinkModel`` (default: the cluster's fitted links)."""
 
-    _esm = (HERE / "placement_explorer.js").read_text()
+    _esm = view_module("placement_explorer.js")
     _css = (HERE / "explorer.css").read_text()
 
     shape = T.List(T.Int()).tag(sync=True)
