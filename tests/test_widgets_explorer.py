@@ -313,6 +313,16 @@ def test_run_measures_the_plans_collectives_and_torchs_value(live, shape, src, d
     assert e.measured == {}
 
 
+def test_without_links_the_running_clusters_fits_predict(live):
+    """Mutation: ``predictor`` ignoring ``dtorch.predict`` (no prediction without links)."""
+    import dtorch
+    mesh = init_device_mesh("cpu", 4)
+    e = PlacementExplorer((64, 64), mesh, ["S(0)"], ["R"])
+    expected = dtorch.predict(plan_redistribute(mesh, (64, 64), [Shard(0)], [R]))
+    assert e.prediction_note == "" and e.predicted_s == pytest.approx(expected.total_s)
+    assert e.steps[0]["predicted_s"] == pytest.approx(expected.steps[0].seconds)
+
+
 def e_plan(e):
     return plan_redistribute(e.mesh, tuple(e.shape), [_p(p) for p in e.src],
                              [_p(p) for p in e.dst], 4)

@@ -84,8 +84,10 @@ function drawTiles(parent, model, layout, x0, y0, groupOf) {
     const ox = tx + 4, oy = ty + LABEL_H + 4;
     svg("rect", { x: ox, y: oy, width: cols * cell, height: rows * cell, class: "dx-tensor" }, g);
     for (const q of blockRects(shape, b.offset, b.shape)) {
-      svg("rect", { x: ox + q.c * cell, y: oy + q.r * cell, width: q.w * cell, height: q.h * cell,
+      const r = svg("rect", { x: ox + q.c * cell, y: oy + q.r * cell, width: q.w * cell, height: q.h * cell,
         fill: color, class: b.partial ? "dx-block dx-partial" : "dx-block" }, g);
+      svg("title", {}, r).textContent = `rank ${b.rank} holds ${regionText(b.offset, b.shape)}` +
+        (b.partial ? " (a partial value)" : "");
     }
     if (blockRects(shape, b.offset, b.shape).length === 0) {
       const t = svg("text", { x: ox + 2, y: oy + 12, class: "dx-empty" }, g);

@@ -40,8 +40,8 @@ from .colors import rank_color
 from .html import shard_html
 
 HERE = Path(__file__).resolve().parent
-NO_PREDICTION = ("no prediction: pass links=, or start the cluster (any DTensor op) to predict "
-                 "from its measured links")
+NO_PREDICTION = ("no prediction: pass links=, or start a cluster (any DTensor op; not a dry run) "
+                 "to predict from its measured links")
 
 
 def view_module(name: str) -> str:
@@ -70,11 +70,16 @@ def placement_texts(values) -> list[str]:
 def predictor(links):
     """How the explorers predict: ``steps -> dtorch.cost.Prediction`` from ``links`` (a
     ``dtorch.cost.LinkModel``) when given, else from the running cluster's fitted links
-    (``dtorch.predict``, measured on first use); None when neither is there (no cluster runs,
-    or this dtorch has no cost model). Never starts a cluster.
+    (``dtorch.predict``, measured on first use; None where they cannot be measured, as on a
+    dry-run cluster); None when neither is there (no cluster runs, or this dtorch has no cost
+    model). Never starts a cluster.
 
-    >>> predictor(None) is None   # no cluster in the doctests
-    True
+    >>> from dtorch import init_device_mesh, Shard, Replicate, plan_redistribute
+    >>> from dtorch.cost import LinkFit, LinkModel
+    >>> steps = plan_redistribute(init_device_mesh("cpu", 4), (4, 4), [Shard(0)], [Replicate()])
+    >>> predict = predictor(LinkModel((LinkFit("all_gather", 4, 1, 1e-3, 0.0),)))
+    >>> predict(steps).total_s
+    0.001
     """
     if links is not None:
         from dtorch.cost import predict
@@ -84,7 +89,13 @@ def predictor(links):
     predict = getattr(dtorch, "predict", None)
     if predict is None or not session.is_running():
         return None
-    return predict
+
+    def on_the_cluster(steps):
+        try:
+            return predict(steps)
+        except DTorchError:  # a dry-run cluster, a lost worker: no prediction, not an error
+            return None
+    return on_the_cluster
 
 
 class PlacementExplorer(anywidget.AnyWidget):
@@ -172,17 +183,10 @@ class PlacementExplorer(anywidget.AnyWidget):
         return X.layout_rows(X.layouts(tuple(self.shape), self.mesh, parsed))
 
     def _predict(self, steps):
-        """The cost model's prediction of ``steps``, or None (``prediction_note`` says why)."""
+        """The cost model's prediction of ``steps``, or None (``prediction_note`` says so)."""
         predict = predictor(self.links)
-        if predict is None:
-            self.prediction_note = NO_PREDICTION
-            return None
-        try:
-            p = predict(steps)
-        except DTorchError as err:  # a dry-run cluster, a lost worker: shown, not raised
-            self.prediction_note = f"no prediction: {err}"
-            return None
-        self.prediction_note = ""
+        p = None if predict is None else predict(steps)
+        self.prediction_note = "" if p is not None else NO_PREDICTION
         return p
 
     # running it ------------------------------------------------------------------------------
