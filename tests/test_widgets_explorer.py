@@ -26,6 +26,12 @@ LINKS = LinkModel((LinkFit("all_gather", 4, 1, 1e-4, 1e-9), LinkFit("all_to_all"
                    LinkFit("all_gather", 2, 2, 5e-5, 1e-9)))  # synthetic (alpha s, beta s/B)
 
 
+def explorer(shape, mesh, src=None, dst=None) -> PlacementExplorer:
+    """A PlacementExplorer predicting from the synthetic LINKS: no cluster to measure on, even
+    where the session's cluster runs."""
+    return PlacementExplorer(shape, mesh, src, dst, links=LINKS)
+
+
 def transfers(frames) -> set:
     """A step's frames as a set of ``(src, dst, offset, shape, reduces)``."""
     return {(f["src"], f["dst"], tuple(f["offset"]), tuple(f["shape"]), f["reduces"])
@@ -72,7 +78,7 @@ def _p(text):
 def test_placement_objects_work_in_the_constructor_and_setters():
     """Mutation: ``placement_texts`` returning ``repr(v)`` (``Shard(dim=0)``, which the pickers
     do not offer)."""
-    e = PlacementExplorer((4, 4), init_device_mesh("cpu", 4), [Shard(0)], [Partial("max")])
+    e = explorer((4, 4), init_device_mesh("cpu", 4), [Shard(0)], [Partial("max")])
     assert (e.src, e.dst) == (["S(0)"], ["P(max)"])
     e.dst = [Shard(1)]
     assert e.dst == ["S(1)"] and [s["kind"] for s in e.steps] == ["all_to_all"]
@@ -82,7 +88,7 @@ def test_placement_objects_work_in_the_constructor_and_setters():
 def test_the_layouts_say_who_holds_which_block():
     """Mutation: ``layouts`` flagging ``partial`` from the first placement only."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    e = PlacementExplorer((4, 4), mesh, [Shard(0), Shard(1)], [R, Partial()])
+    e = explorer((4, 4), mesh, [Shard(0), Shard(1)], [R, Partial()])
     src = {b["rank"]: (b["offset"], b["shape"], b["partial"]) for b in e.layouts["src"]}
     assert src == {0: ([0, 0], [2, 2], False), 1: ([0, 2], [2, 2], False),
                    2: ([2, 0], [2, 2], False), 3: ([2, 2], [2, 2], False)}
@@ -98,7 +104,7 @@ def test_a_placement_that_does_not_fit_is_an_error_not_an_exception(dst, message
     """The observer shows dtorch's own PlacementValueError text and clears the plan.
     Mutation: ``_replan`` letting the exception propagate (the setter raises)."""
     mesh = init_device_mesh("cpu", 4)
-    e = PlacementExplorer((4, 4), mesh, ["S(0)"], ["R"])
+    e = explorer((4, 4), mesh, ["S(0)"], ["R"])
     e.dst = dst
     with pytest.raises(PlacementValueError) as err:
         normalize_placements(message_from, mesh, 2)
@@ -110,7 +116,7 @@ def test_a_placement_that_does_not_fit_is_an_error_not_an_exception(dst, message
 
 def test_unreadable_placement_text_says_what_to_write():
     """Mutation: ``parse_placement`` reading unknown text as Replicate (no error)."""
-    e = PlacementExplorer((4,), init_device_mesh("cpu", 4))
+    e = explorer((4,), init_device_mesh("cpu", 4))
     e.src = ["Q(1)"]
     assert "cannot read 'Q(1)' as a placement; write S(d)" in e.error
 
@@ -149,7 +155,7 @@ def test_seed_transitions_move_the_right_blocks(src, dst):
     after as the sent one and the sender's before as the wanted one, or ``reduces`` always
     False."""
     kind, expected = SEED_TRANSITIONS[(src, dst)]
-    e = PlacementExplorer((4, 4), init_device_mesh("cpu", 4), [src], [dst])
+    e = explorer((4, 4), init_device_mesh("cpu", 4), [src], [dst])
     assert [s["kind"] for s in e.steps] == [kind]
     assert transfers(e.frames[0]) == expected
     assert len(e.frames[0]) == len(expected)  # no transfer listed twice
@@ -159,7 +165,7 @@ def test_uneven_shards_send_their_own_sizes():
     """(5, 3) on 4 ranks: rows 2, 2, 1, 0. Rank 3 holds nothing, so it sends nothing and gets
     all 5 rows. Mutation: ``intersect`` keeping empty overlaps (``hi < lo`` for ``hi <= lo``:
     0-row transfers from rank 3)."""
-    e = PlacementExplorer((5, 3), init_device_mesh("cpu", 4), ["S(0)"], ["R"])
+    e = explorer((5, 3), init_device_mesh("cpu", 4), ["S(0)"], ["R"])
     rows = {0: ((0, 0), (2, 3)), 1: ((2, 0), (2, 3)), 2: ((4, 0), (1, 3))}
     assert transfers(e.frames[0]) == {(s, r, *rows[s], False) for r in range(4)
                                       for s in rows if s != r}
@@ -173,7 +179,7 @@ def test_empty_shards_take_no_part_in_the_transfers():
     """(3,) on 4 ranks: rank 3's block is empty. Mutation: ``intersect`` keeping empty
     overlaps (``hi < lo`` for ``hi <= lo``)."""
     mesh = init_device_mesh("cpu", 4)
-    e = PlacementExplorer((3,), mesh, ["S(0)"], ["R"])
+    e = explorer((3,), mesh, ["S(0)"], ["R"])
     assert transfers(e.frames[0]) == {(s, r, (s,), (1,), False) for r in range(4)
                                       for s in range(3) if s != r}
     e.src, e.dst = ["P(sum)"], ["S(0)"]  # reduce_scatter: rank 3 receives nothing but sends
@@ -186,7 +192,7 @@ def test_a_nested_shard_on_a_2d_mesh_gathers_inner_first():
     way), then dp's (two rows each way). Mutation: ``step_frames`` reading the groups of mesh
     dim 0 for every step (``mesh.groups(0)`` in place of ``step.groups``)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    e = PlacementExplorer((4, 4), mesh, ["S(0)", "S(0)"], ["R", "R"])
+    e = explorer((4, 4), mesh, ["S(0)", "S(0)"], ["R", "R"])
     assert [(s["kind"], s["mesh_dim_name"]) for s in e.steps] == [("all_gather", "tp"),
                                                                   ("all_gather", "dp")]
     assert transfers(e.frames[0]) == {(1, 0, (1, 0), ROW, False), (0, 1, (0, 0), ROW, False),
@@ -201,7 +207,7 @@ def test_local_steps_move_nothing():
     """R -> S(0) is a slice, S(0) -> P(max) an all_gather then a local to_partial: the rule
     sends nothing a receiver already held. Mutation: ``_pieces`` sending the whole overlap
     for every step (``boxes = [region]``: a slice's ranks would "receive" their own rows)."""
-    e = PlacementExplorer((4, 4), init_device_mesh("cpu", 4), ["R"], ["S(0)"])
+    e = explorer((4, 4), init_device_mesh("cpu", 4), ["R"], ["S(0)"])
     assert [s["kind"] for s in e.steps] == ["slice"] and e.frames == [[]]
     e.src, e.dst = ["S(0)"], ["P(max)"]
     assert [s["kind"] for s in e.steps] == ["all_gather", "to_partial"]
@@ -276,7 +282,7 @@ def test_op_explorer_switching_a_picker_updates_it_live():
     """Refused, then fixed from the picker, then refused again. Mutation: not observing
     ``placements``."""
     m = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    v = OpExplorer(torch.relu, ((4, 4), m, [R, Partial()]))
+    v = OpExplorer(torch.relu, ((4, 4), m, [R, Partial()]), links=LINKS)
     assert v.outputs == [] and [f["kinds"] for f in v.fixes] == [["all_reduce"]]
     assert v.fixes[0]["changes"][0]["steps"][0]["mesh_dim_name"] == "tp"
     v.placements = [["S(0)", "R"]]
