@@ -86,6 +86,8 @@ def test_a_big_partial_puts_the_gather_first(mesh1d, reduce_op, kind):
         "or: other.redistribute(placements=[Shard(0)])   # reduce_scatter"]
     assert listed_bytes(err) == [planned_bytes(x, [R]), planned_bytes(p, [R]),
                                  planned_bytes(p, [Shard(0)])] == [36, 120, 144]
+    assert err.fixes == (((0, "input", (R,)),), ((1, "other", (R,)),),  # the same, as data
+                         ((1, "other", (Shard(0),)),))
     expected = fn(t, u)
     for fixed, want in ((lambda: fn(x.redistribute(placements=[R]), p), {"all_gather": 1}),
                         (lambda: fn(x, p.redistribute(placements=[R])), {"all_reduce": 1}),

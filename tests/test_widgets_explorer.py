@@ -262,7 +262,7 @@ def test_op_explorer_shows_the_rules_output_placements():
 def test_op_explorer_lists_the_errors_fixes_cheapest_first():
     """x - p with x Shard(0), p Partial('avg') of the same shape (10, 3): three fixes, as
     test_fix_ranking lists them, each with its plan, bytes, predicted time and the output once
-    applied. Mutations: ``parse_fixes`` treating ``or:`` as ``and:`` (one fix of three
+    applied. Mutations: ``fixes_of`` joining the alternatives into one fix (one fix of three
     changes), ``_fix`` leaving the fixed input's placements unchanged (outputs None)."""
     m = init_device_mesh("cpu", 4)
     v = OpExplorer(torch.sub, ((10, 3), m, [Shard(0)]), ((10, 3), m, [Partial("avg")]),

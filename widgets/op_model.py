@@ -19,7 +19,6 @@ the error lists, cheapest first (see :mod:`dtorch.ops.explain`). Example::
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple, Sequence
 
 import torch
@@ -33,8 +32,6 @@ from dtorch.tensor import DTensor
 
 from .explorer_model import Predictor, parse_placement
 
-_FIX = re.compile(r"^\s*(fix|or|and): (\S+)\.redistribute\(placements=\[(.*)\]\)")
-_INPUT = re.compile(r"(\S+) \[[^\]]*\](?:, |$)")
 USAGE = ("give each input as a TensorSpec, a DTensor, or (shape, mesh, placements[, dtype]), "
          "e.g. OpExplorer(torch.matmul, ((8, 4), mesh, [Shard(1)]), ((4, 8), mesh, [Shard(0)]))")
 
@@ -107,7 +104,7 @@ def explain_op(fn, specs: Sequence, kwargs: dict | None = None,
         return OpOutcome(name, outputs_of(fn, specs, kwargs), "", ())
     except DTorchError as err:  # PlacementError, UnsupportedOpError: what the user must change
         fixes = tuple(_fix(fn, specs, kwargs, changes, predict)
-                      for changes in parse_fixes(str(err), specs))
+                      for changes in fixes_of(err, specs))
         return OpOutcome(name, (), str(err), fixes)
 
 
@@ -117,35 +114,19 @@ def outputs_of(fn, specs, kwargs=None) -> tuple[TensorSpec, ...]:
     return tuple(plan.out_specs)
 
 
-def parse_fixes(message: str, specs) -> list[list[Change]]:
-    """The fixes a PlacementError lists (``fix:``, ``or:`` start one, ``and:`` adds to it),
-    each a list of Changes with the planner's steps; inputs are named as its ``inputs:`` line
-    names them, in the order of ``specs``."""
-    labels = []
-    fixes: list[list[Change]] = []
-    for line in message.splitlines():
-        if line.strip().startswith("inputs:"):
-            labels = _INPUT.findall(line.strip()[len("inputs:"):].strip())
-        found = _FIX.match(line)
-        if not found or found.group(2) not in labels:
-            continue
-        word, label, text = found.groups()
-        index = labels.index(label)
-        spec = specs[index]
-        placements = tuple(parse_placement(p) for p in _split(text))
-        steps = plan_redistribute(spec.mesh, spec.shape, spec.placements, placements,
-                                  spec.dtype.itemsize)
-        change = Change(index, label, placements, steps)
-        if word == "and" and fixes:
-            fixes[-1].append(change)
-        else:
-            fixes.append([change])
+def fixes_of(err: BaseException, specs) -> list[list[Change]]:
+    """The fixes a PlacementError suggests (``err.fixes``: cheapest first, each a list of
+    redistributes applied together), as Changes with the planner's steps."""
+    fixes = []
+    for alternative in getattr(err, "fixes", ()):
+        changes = []
+        for index, label, placements in alternative:
+            spec = specs[index]
+            steps = plan_redistribute(spec.mesh, spec.shape, spec.placements, placements,
+                                      spec.dtype.itemsize)
+            changes.append(Change(index, label, tuple(placements), steps))
+        fixes.append(changes)
     return fixes
-
-
-def _split(text: str) -> list[str]:
-    """``"Shard(0), Partial('sum')"`` -> ``["Shard(0)", "Partial('sum')"]``."""
-    return [p.strip() for p in re.findall(r"[A-Za-z]+\([^)]*\)", text)]
 
 
 def _fix(fn, specs, kwargs, changes, predict) -> Fix:

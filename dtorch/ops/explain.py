@@ -155,7 +155,8 @@ def _fix_lines(fix) -> list[str]:
 
 def placement_error(op, mesh_dim, legal: str, fix, why: str | None) -> PlacementError:
     """The PlacementError for ``op`` (an OpCall); ``fix`` as :func:`alternatives` reads it,
-    listed cheapest first."""
+    listed cheapest first, in the text and as ``err.fixes`` (each alternative a tuple of
+    ``(tensor input index, label, placements)`` to apply together: what tools read)."""
     lines = [f"{op.name}: no placement rule fits these inputs{_mesh_dim_text(op.mesh, mesh_dim)}"]
     lines.append("  inputs: " + ", ".join(f"{t.label} {format_placements(t.placements)}"
                                           for t in op.tensors))
@@ -168,4 +169,7 @@ def placement_error(op, mesh_dim, legal: str, fix, why: str | None) -> Placement
                      "(x.redistribute(placements=[...]))")
     err = PlacementError("\n".join(lines))
     err.op = op.name
+    # the same fixes as data, cheapest first: ((tensor input index, label, placements), ...)
+    err.fixes = tuple(tuple((targ.index, targ.label, tuple(p)) for targ, p in alt)
+                      for alt in ranked(fix)) if fix else ()
     return err
