@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from distributed import Client
 
-from dtorch.runtime.testing import rank_leftovers
+from dtorch.runtime.testing import rank_leftovers, rank_residue
 
 BIN = Path(sys.executable).parent
 
@@ -60,14 +61,17 @@ def external_cluster(tmp_path):
                 p.kill()
 
 
-@pytest.mark.timeout(240)
-def test_join_external_dask_cluster(external_cluster):
+def wait_for_workers(address: str, n: int = 2) -> None:
     deadline = time.monotonic() + 90
-    from distributed import Client
-    with Client(external_cluster, timeout=30) as client:
-        while len(client.scheduler_info()["workers"]) < 2:
+    with Client(address, timeout=30) as client:
+        while len(client.scheduler_info()["workers"]) < n:
             assert time.monotonic() < deadline, "dask workers did not join"
             time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+def test_join_external_dask_cluster(external_cluster):
+    wait_for_workers(external_cluster)
     out = subprocess.run([sys.executable, "-c", SCRIPT, external_cluster], capture_output=True,
                          text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -77,3 +81,57 @@ def test_join_external_dask_cluster(external_cluster):
     with Client(external_cluster, timeout=30) as client:
         leftovers = client.run(rank_leftovers)
     assert list(leftovers.values()) == [{"frozen": 0, "tensors": 0}] * 2, leftovers
+
+
+HOLDER = r"""
+import os, sys, torch, dtorch
+from dtorch import Shard, init_device_mesh
+dtorch.init(address=sys.argv[1])
+mesh = init_device_mesh("cpu", 2)
+x = dtorch.randn(5120, 2560, device_mesh=mesh, placements=[Shard(0)])  # 26 MB per rank
+dtorch.synchronize()
+print("READY", os.getpid(), flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_controller_releases_its_workers_and_a_second_is_refused_meanwhile(
+        external_cluster):
+    """Issue 23: a controller killed with SIGKILL left each worker's rank thread and shards in
+    place, and the next controller failed on every rank with "trying to initialize the default
+    process group twice!". Now a second controller is refused at once, naming the holder;
+    once the holder dies, its workers are free within ~30 s and a fresh controller runs.
+    Mutation: no ``_controller_lost()`` in ``ServesChannel._serve`` (the workers stay held)."""
+    wait_for_workers(external_cluster)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, external_cluster],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        line = holder.stdout.readline()
+        assert line.startswith("READY"), holder.stderr.read()[-3000:]
+        pid = line.split()[1]
+        second = subprocess.run([sys.executable, "-c", SCRIPT, external_cluster],
+                                capture_output=True, text=True, timeout=180)
+        assert second.returncode != 0
+        assert "already run ranks of another dtorch controller (pid " + pid in second.stderr, \
+            second.stderr[-3000:]
+        with Client(external_cluster, timeout=30) as client:  # the holder's world is intact
+            assert [r["holder"] is not None for r in client.run(rank_residue).values()] == \
+                [True, True]
+        holder.kill()
+        holder.wait(timeout=30)
+        deadline = time.monotonic() + 45  # the documented bound is ~30 s
+        with Client(external_cluster, timeout=30) as client:
+            while True:
+                residue = list(client.run(rank_residue).values())
+                if residue == [{"holder": None, "frozen": 0, "tensors": 0, "actors": 0}] * 2:
+                    break
+                assert time.monotonic() < deadline, residue
+                time.sleep(0.5)
+    finally:
+        holder.kill()
+    fresh = subprocess.run([sys.executable, "-c", SCRIPT, external_cluster],
+                           capture_output=True, text=True, timeout=180)
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert json.loads(fresh.stdout.strip().splitlines()[-1])["ok"] is True

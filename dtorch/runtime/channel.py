@@ -1,4 +1,4 @@
-"""The controller's persistent, ordered channel to each rank: one TCP connection per rank.
+"""The controller's persistent, ordered channel to each rank: two TCP connections per rank.
 
 A Dask actor call costs ~1.4 ms for 4 ranks on a quiet machine (msgpack, the event loops,
 a pooled connection per call); a flush, a read or a liveness check then paid that each time.
@@ -9,8 +9,13 @@ and closes them; the channel only carries the stream.
 
 A connection first presents the world's token (made by the controller, given to each rank by
 Dask when it was placed): a process that cannot talk to Dask cannot drive a rank through its
-channel either. Frames are pickle protocol 5, large buffers (staged shards, fetched tensors)
-out of band, so they are not copied into the pickle. Example::
+channel either. On a cluster whose Dask comms are TLS the connections are TLS too, with the
+cluster's certificates (mutual: each end checks the other's), so the channel is as private as
+Dask's own messages. Each connection carries one direction only (``CONTROLLER``: batches to
+the rank; ``ANSWERS``: answers back; ``RELAY``: a relay's batches): an SSL connection must not
+be read and written by two threads at once. Frames are pickle protocol 5, large buffers
+(staged shards, fetched tensors) out of band, so they are not copied into the pickle.
+Example::
 
     >>> import socket
     >>> a, b = socket.socketpair()
@@ -37,7 +42,8 @@ from typing import Any, NamedTuple
 from ..errors import DTorchError
 
 TOKEN_BYTES = 32
-CONTROLLER, RELAY = b"C", b"R"  # who opens a connection: answers go to the controller's
+# what a connection carries: batches from the controller, answers to it, a relay's batches
+CONTROLLER, ANSWERS, RELAY = b"C", b"A", b"R"
 _HEADER = struct.Struct("!QI")  # the pickle's bytes, the number of out-of-band buffers
 _LENGTH = struct.Struct("!Q")
 _CHUNK = 1 << 18  # bytes asked for per receive
@@ -113,9 +119,18 @@ class FrameReader:
         self._stage = "header"
 
     def read_from(self, sock: socket.socket) -> list:
-        """Receive once (blocking or not) and return the messages that completed; raises
-        ChannelClosed at the end of the stream. A large part is received straight into its
-        buffer; small ones come in chunks, several frames per receive."""
+        """Receive once (blocking or not), and on TLS until nothing decrypted is left waiting
+        (a selector sees only the raw socket), and return the messages that completed;
+        raises ChannelClosed at the end of the stream."""
+        out = self._read_once(sock)
+        pending = getattr(sock, "pending", None)
+        while pending is not None and pending():
+            out += self._read_once(sock)
+        return out
+
+    def _read_once(self, sock: socket.socket) -> list:
+        """One receive. A large part is received straight into its buffer; small ones come
+        in chunks, several frames per receive."""
         direct = len(self._target) - self._filled >= _DIRECT
         try:
             if direct:
@@ -170,10 +185,12 @@ class FrameReader:
         return None
 
 
-def accept_peer(server: socket.socket, token: bytes) -> tuple[socket.socket, bytes] | None:
+def accept_peer(server: socket.socket, token: bytes,
+                ssl_context=None) -> tuple[socket.socket, bytes] | None:
     """The next connection that presents ``token``, and the role it names after it
-    (``CONTROLLER`` or ``RELAY``); others are closed unread. None once the listening socket
-    is closed."""
+    (``CONTROLLER``, ``ANSWERS`` or ``RELAY``); others are closed unread, as is one that does
+    not complete a TLS handshake with a certificate ``ssl_context`` trusts. None once the
+    listening socket is closed."""
     while True:
         try:
             conn, _ = server.accept()
@@ -181,16 +198,34 @@ def accept_peer(server: socket.socket, token: bytes) -> tuple[socket.socket, byt
             return None
         conn.settimeout(10.0)
         try:
+            if ssl_context is not None:
+                conn = ssl_context.wrap_socket(conn, server_side=True)
             presented = _receive_exactly(conn, TOKEN_BYTES + 1)
-        except OSError:
+        except OSError:  # ssl.SSLError included: no certificate, or one we do not trust
             presented = b""
         if len(presented) == TOKEN_BYTES + 1 and \
                 hmac.compare_digest(presented[:TOKEN_BYTES], token) and \
-                presented[TOKEN_BYTES:] in (CONTROLLER, RELAY):
+                presented[TOKEN_BYTES:] in (CONTROLLER, ANSWERS, RELAY):
             conn.settimeout(None)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(conn)
             return conn, presented[TOKEN_BYTES:]
         conn.close()
+
+
+KEEPALIVE_S = (10, 5, 3)  # idle seconds, probe interval, probes: a silent peer in ~25 s
+
+
+def keep_alive(conn: socket.socket) -> None:
+    """Probe an idle connection so that a peer gone without closing it (a laptop lid shut, a
+    network cut) reads as closed within ~25 s instead of never (Linux's options; elsewhere
+    the system's defaults)."""
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, count = KEEPALIVE_S
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval),
+                        ("TCP_KEEPCNT", count)):
+        if hasattr(socket, name):
+            conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 def _receive_exactly(conn: socket.socket, n: int) -> bytes:
@@ -203,10 +238,15 @@ def _receive_exactly(conn: socket.socket, n: int) -> bytes:
     return out
 
 
-def connect(address: tuple, token: bytes, role: bytes, timeout_s: float = 30.0):
-    """A connection to a rank's channel listener that presents ``token`` and ``role``."""
+def connect(address: tuple, token: bytes, role: bytes, timeout_s: float = 30.0,
+            ssl_context=None):
+    """A connection to a rank's channel listener that presents ``token`` and ``role`` (over
+    TLS with ``ssl_context``: the cluster's certificates)."""
     sock = socket.create_connection(tuple(address), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    keep_alive(sock)
+    if ssl_context is not None:
+        sock = ssl_context.wrap_socket(sock, server_side=False)
     sock.sendall(token + role)
     sock.settimeout(None)
     return sock
@@ -220,10 +260,11 @@ class Channels:
     :class:`ChannelClosed` at once."""
 
     def __init__(self, addresses: list[tuple[str, int]], token: bytes, timeout_s: float = 30.0,
-                 send_timeout_s: float | None = None):
+                 send_timeout_s: float | None = None, ssl_context=None):
         self._stop = False
         self._reader_lost: ChannelClosed | None = None
-        self._socks: list[socket.socket] = []
+        self._socks: list[socket.socket] = []  # batches to each rank (written only)
+        self._answer_socks: list[socket.socket] = []  # its answers (read only)
         self._locks = [threading.Lock() for _ in addresses]
         self._futures: dict[tuple[int, int], Future] = {}
         self._early: dict[tuple[int, int], Any] = {}  # answers nobody expected yet
@@ -232,8 +273,10 @@ class Channels:
         self.sent = [0] * len(addresses)  # messages written to each rank (tests count hops)
         self.received = [0] * len(addresses)  # answers read from each rank
         try:
-            for address in addresses:
-                sock = connect(address, token, CONTROLLER, timeout_s)
+            for address in addresses:  # answers first: a rank takes connections in order
+                self._answer_socks.append(connect(address, token, ANSWERS, timeout_s,
+                                                  ssl_context))
+                sock = connect(address, token, CONTROLLER, timeout_s, ssl_context)
                 sock.settimeout(send_timeout_s)  # a rank that stops reading: an error, not a hang
                 self._socks.append(sock)
         except BaseException:
@@ -241,7 +284,7 @@ class Channels:
             raise
         self._selector = selectors.DefaultSelector()
         self._readers = {}
-        for rank, sock in enumerate(self._socks):
+        for rank, sock in enumerate(self._answer_socks):
             self._selector.register(sock, selectors.EVENT_READ, rank)
             self._readers[rank] = FrameReader()
         self._wake_r, self._wake_w = socket.socketpair()  # close() wakes the reader
@@ -338,7 +381,7 @@ class Channels:
             self._selector.close()
             self._wake_r.close()
             self._wake_w.close()
-        for sock in self._socks:
+        for sock in self._socks + self._answer_socks:
             try:
                 sock.close()
             except OSError:

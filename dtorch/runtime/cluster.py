@@ -171,13 +171,38 @@ def check_dask_kwargs(dask_kwargs: dict, remote: bool) -> None:
                         f"keywords of Dask's {'Client' if remote else 'LocalCluster and Worker'}")
 
 
+def local_security(security=None):
+    """The embedded cluster's Dask security: mutual TLS with certificates made now and kept
+    in memory (``None`` or ``True``, the default), none (``False``: plain TCP, any local
+    process can connect), or the ``distributed.security.Security`` given."""
+    from distributed.security import Security
+    if security is None or security is True:
+        try:
+            return Security.temporary()
+        except ImportError as exc:
+            raise ClusterError("the embedded cluster uses TLS by default and needs the "
+                               "`cryptography` package for its certificates: pip install "
+                               "cryptography, or dtorch.init(security=False) for plain TCP "
+                               "(any process on this host can then connect)") from exc
+    if security is False:
+        return None
+    if not isinstance(security, Security):
+        raise ClusterError(f"security must be True, False or a distributed.security.Security; "
+                           f"got {type(security).__name__}")
+    return security
+
+
 def start_local_cluster(n_workers: int, **dask_kwargs):
-    """A LocalCluster of ``n_workers`` processes with one thread each, on 127.0.0.1."""
+    """A LocalCluster of ``n_workers`` processes with one thread each, on 127.0.0.1, whose
+    scheduler, workers and client authenticate each other with TLS (``local_security``)."""
     import dask
     from distributed import Client, LocalCluster
+    security = local_security(dask_kwargs.pop("security", None))
     options = dict(n_workers=n_workers, threads_per_worker=1, processes=True,
                    host="127.0.0.1", dashboard_address="127.0.0.1:0",
                    silence_logs=logging.WARNING, worker_class=_rank_nanny_class())
+    if security is not None:
+        options["security"] = security
     options.update(dask_kwargs)
     # Dask's MALLOC_TRIM_THRESHOLD_ for workers makes glibc map every large buffer afresh:
     # gloo's per-call temporaries then page-fault and collectives run 2-3x slower.
@@ -193,7 +218,8 @@ def start_local_cluster(n_workers: int, **dask_kwargs):
     for k, v in before.items():  # the Nanny writes its spawn environment into this process too
         if v is None:
             os.environ.pop(k, None)
-    client = Client(cluster, set_as_default=False, direct_to_workers=True)
+    client = Client(cluster, set_as_default=False, direct_to_workers=True,
+                    security=cluster.security)
     for address in client.scheduler_info(n_workers=-1)["workers"]:
         _EXIT_CODES.pop(address, None)  # an address an earlier cluster's worker had
     protect_workers(client)  # Ctrl-C in the controller's terminal must not kill the ranks
@@ -213,6 +239,8 @@ def _user_set(key: str) -> bool:
 def connect(address: str, **dask_kwargs):
     """A client of an existing Dask scheduler (``dask scheduler`` / dask-jobqueue / ...)."""
     from distributed import Client
+    if dask_kwargs.get("security") in (None, False):  # Dask's configured default: plain TCP
+        dask_kwargs.pop("security", None)            # unless its config names certificates
     try:
         dask_kwargs.setdefault("direct_to_workers", True)
         return Client(address, set_as_default=False, timeout=dask_kwargs.pop("timeout", 30),
@@ -250,6 +278,8 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
     from .worker import RankActor
     workers = workers or worker_addresses(client)
     world = len(workers)
+    holder = controller_name()
+    check_workers_free(client, workers, holder)
     key = f"dtorch-store-{time.time_ns()}"
     token = secrets.token_bytes(TOKEN_BYTES)
     master, port = check_world_connects(client, workers, key, probe_timeout(timeout_s))
@@ -257,7 +287,7 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
     try:
         futures = [client.submit(RankActor, rank, world, master, port, backend, timeout_s,
                                  seed, num_threads, devices[rank], key if rank == 0 else None,
-                                 channel_token=token, fanout=fanout,
+                                 channel_token=token, fanout=fanout, holder=holder,
                                  actor=True, workers=[addr], allow_other_workers=False,
                                  pure=False, key=f"dtorch-rank-{rank}-{time.time_ns()}")
                    for rank, addr in enumerate(workers)]
@@ -272,6 +302,30 @@ def place_rank_actors(client, backend: str, timeout_s: float, seed: int,
         channels = [ri.actor.channel_address() for ri in ranks]
     _raise_unless_ready(readies, timeout_s + 30)
     return [ri._replace(channel=tuple(c.result(timeout=30))) for ri, c in zip(ranks, channels)]
+
+
+def controller_name() -> str:
+    """How workers name this controller to another one: ``pid 123 on host``."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def check_workers_free(client, workers: list[str], holder: str) -> None:
+    """ClusterError, before anything starts, when another controller's ranks run on any of
+    ``workers`` (this controller's own earlier world may be ending there: that is fine)."""
+    from .worker import holder_of
+    held = {w: h for w, h in client.run(holder_of, workers=workers).items()
+            if h is not None and h["holder"] != holder}
+    if not held:
+        return
+    who = sorted({h["holder"] for h in held.values()})
+    since = min(h["since"] for h in held.values())
+    raise ClusterError(
+        f"{len(held)} of the {len(workers)} workers already run ranks of another dtorch "
+        f"controller ({', '.join(who)}, since {time.strftime('%H:%M:%S', time.localtime(since))}"
+        f"): {', '.join(sorted(held))}. One controller drives a set of workers at a time: give "
+        f"this one its own workers (another `dask worker` set, or dtorch.init() without an "
+        f"address for an embedded cluster), or end the other (dtorch.shutdown() there, or "
+        f"restart its kernel; a controller that died releases its workers within ~30 s)")
 
 
 def _close_store_socket(client, worker: str, key: str) -> None:

@@ -56,6 +56,15 @@ def _quiet_logs() -> None:
     logging.getLogger("distributed").setLevel(logging.CRITICAL)
 
 
+def client_tls(client):
+    """The controller's TLS context for the ranks' channels when the Dask client talks TLS
+    (its certificates; the ranks check them as the scheduler does), else None."""
+    security = getattr(client, "security", None)
+    if security is None or not client.scheduler.address.startswith("tls://"):
+        return None
+    return security.get_connection_args("client").get("ssl_context")
+
+
 def _outcome(fut: Future) -> tuple[bool, object]:
     """``(True, result)`` or ``(False, exception)`` of a done future."""
     exc = fut.exception()
@@ -93,7 +102,8 @@ class Controller:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dtorch-fetch")
         self.fanout = fanout  # a larger world's flushes go through relays (fanout.py)
         self.channels = Channels([info.channel for info in ranks], ranks[0].token,
-                                 send_timeout_s=self.op_timeout_s) \
+                                 send_timeout_s=self.op_timeout_s,
+                                 ssl_context=client_tls(client)) \
             if client is not None and ranks and ranks[0].channel else None
         if self.channels is not None:
             if self._relayed():

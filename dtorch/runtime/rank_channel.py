@@ -2,19 +2,33 @@
 (``fanout.py``). A mixin of ``RankActor``, which gives ``rank``, ``world``, ``interp``, ``_cv``,
 ``_inbox``, ``_next_seq``, ``_busy``, ``_fatal``, ``_run_batch`` and ``_health``.
 
-A listener on the worker's interface takes the controller's connection (answers go back on
-it) and, for a rank that is not a head the controller sends to, its relay's; then it stops
-listening. Each connection has its own receiving thread; batches are queued by sequence
+A listener on the worker's interface takes the controller's two connections (its batches
+come on one, answers go back on the other) and, for a rank that is not a head the controller
+sends to, its relay's; then it stops listening. On a TLS cluster all of them are TLS, with the
+worker's own certificates (``tls_context``). Each connection has its own receiving thread; batches are queued by sequence
 number, so whichever path brought them, the interpreter runs them in order."""
 
 from __future__ import annotations
 
 import threading
 
-from .channel import (CONTROLLER, RELAY, Answer, Batch, ChannelClosed, FrameReader, Health,
-                      Links, accept_peer, connect, send)
+from .channel import (ANSWERS, CONTROLLER, RELAY, Answer, Batch, ChannelClosed, FrameReader,
+                      Health, Links, accept_peer, connect, send)
 from .fanout import Relay, block_of, parent_of, relay_for, route_of, sub_blocks
 from .network import listen_on
+
+
+def tls_context(server_side: bool):
+    """This worker's TLS context when its Dask comms use TLS (its own certificates, the
+    cluster's CA: mutual authentication), else None (run on a worker)."""
+    from distributed import get_worker
+    worker = get_worker()
+    if not worker.address.startswith("tls://"):
+        return None
+    security = worker.security
+    args = security.get_listen_args("worker") if server_side else \
+        security.get_connection_args("worker")
+    return args.get("ssl_context")
 
 
 class ServesChannel:
@@ -23,11 +37,14 @@ class ServesChannel:
     def _start_channel(self, ip: str, token: bytes, fanout: int) -> None:
         self._listener = listen_on(ip)
         self._token = token
+        self._tls = tls_context(server_side=True), tls_context(server_side=False)
         self._send_lock = threading.Lock()
         self._channel = None  # the controller's connection, once it presented the token
+        self._answers = None  # the connection answers go back on
+        self._answers_ready = threading.Event()
         tree = bool(fanout) and self.world > fanout
         self._fanout = fanout
-        expected = 2 if tree and parent_of(self.rank, self.world, fanout) is not None else 1
+        expected = 3 if tree and parent_of(self.rank, self.world, fanout) is not None else 2
         self._sub_blocks = sub_blocks(block_of(self.rank, self.world, fanout), fanout) \
             if tree else []
         self._children: dict[int, tuple] = {}  # head rank -> (socket, lock), once linked
@@ -48,7 +65,7 @@ class ServesChannel:
         before the last one is served (so once it answers, later connections are refused)."""
         try:
             for i in range(expected):
-                peer = accept_peer(self._listener, self._token)
+                peer = accept_peer(self._listener, self._token, self._tls[0])
                 if peer is None:
                     return
                 conn, role = peer
@@ -56,6 +73,10 @@ class ServesChannel:
                     self._channel = conn
                 if i == expected - 1:
                     stop_listening(self._listener)
+                if role == ANSWERS:  # written by _post, never read
+                    self._answers = conn
+                    self._answers_ready.set()
+                    continue
                 threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                  name=f"dtorch-channel-{self.rank}-{role.decode()}").start()
         finally:
@@ -84,6 +105,8 @@ class ServesChannel:
             self._fatal = self.interp._fail("receiving batches", exc).failure
         finally:
             conn.close()
+            if conn is self._channel and not self._closing:
+                self._controller_lost()
 
     def _take(self, batch: Batch) -> None:
         """Queue batch ``seq``. A ``quick`` batch (only reads and frees) that is next in line
@@ -104,14 +127,17 @@ class ServesChannel:
         """Connect to the heads of this rank's sub-blocks (a relay)."""
         for rank, address in sorted(addresses.items()):
             if rank not in self._children:
-                self._children[rank] = (connect(address, self._token, RELAY), threading.Lock())
+                self._children[rank] = (connect(address, self._token, RELAY,
+                                                ssl_context=self._tls[1]), threading.Lock())
         self._linked.set()
 
     def close_links(self) -> None:
-        """Close the connections to the heads this rank relays to."""
+        """Close the connections to the heads this rank relays to, and the answers'."""
         for sock, _ in self._children.values():
             sock.close()
         self._children.clear()
+        if self._answers is not None:
+            self._answers.close()
 
     def _relay(self, relay: Relay) -> None:
         """Forward each sub-block its routes, then queue this rank's own batch. The links
@@ -137,10 +163,10 @@ class ServesChannel:
 
     def _post(self, req: int, answer) -> None:
         """Send request ``req``'s answer to the controller (any thread)."""
-        if self._channel is None:  # answers come only for requests sent on the channel
+        if not self._answers_ready.wait(timeout=30):  # connected before the batches' one
             return
         try:
-            send(self._channel, self._send_lock, Answer(req, answer))
+            send(self._answers, self._send_lock, Answer(req, answer))
         except OSError:  # the controller is gone: nobody waits for it
             pass
 

@@ -58,3 +58,14 @@ def rank_leftovers() -> dict:
     gc.collect()
     stores = [o.store for o in gc.get_objects() if isinstance(o, Interpreter)]
     return {"frozen": gc.get_freeze_count(), "tensors": sum(len(s) for s in stores)}
+
+
+def rank_residue(dask_worker=None) -> dict:
+    """Run on a worker (``client.run(rank_residue)``): what a dtorch world left there: the
+    controller still holding it (``holder``, None when free), RankActors Dask still keeps
+    (``actors``), and :func:`rank_leftovers`' frozen objects and held tensors."""
+    from .worker import RankActor, holder_of
+    actors = getattr(getattr(dask_worker, "state", None), "actors", None) or \
+        getattr(dask_worker, "actors", {}) or {}
+    return {"holder": holder_of(), **rank_leftovers(),
+            "actors": sum(isinstance(a, RankActor) for a in actors.values())}

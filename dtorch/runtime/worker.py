@@ -28,6 +28,18 @@ from .rank_channel import ServesChannel, stop_listening
 from .replay import Run
 
 _STOP = object()
+_held: dict = {}  # this worker process's rank, while a world is up: who holds it, since when
+
+
+def holder_of() -> dict | None:
+    """Run on a worker (``client.run(holder_of)``): the controller whose rank this worker
+    process runs now (``{"holder": "pid 123 on host", "rank": 0, "since": epoch seconds}``),
+    or None when it is free.
+
+    >>> holder_of() is None
+    True
+    """
+    return dict(_held) if _held else None
 
 
 def leave_world(group) -> None:
@@ -53,9 +65,11 @@ class RankActor(ServesChannel):
                  backend: str = "gloo", timeout_s: float = 60.0, seed: int = 0,
                  num_threads: int | None = None, device: str = "cpu",
                  store_key: str | None = None, channel_token: bytes = b"",
-                 fanout: int = 0):
+                 fanout: int = 0, holder: str = ""):
         from distributed import get_worker
         self.rank, self.world = rank, world
+        _held.clear()
+        _held.update(holder=holder or "an unnamed controller", rank=rank, since=time.time())
         self.ip = worker_ip(get_worker().address)  # torch.distributed binds to this address
         self.store_address = (master_addr, master_port)  # rank 0's rendezvous store
         self.timeout_s = timeout_s
@@ -135,6 +149,22 @@ class RankActor(ServesChannel):
         if not self._thread.is_alive():  # a thread stuck in a collective keeps its state
             self._release()
 
+    def _controller_lost(self) -> None:
+        """The controller's channel closed without a close(): its process died or lost the
+        network (keepalive probes find a silent peer in ~25 s). Run what arrived, leave the
+        world and release the rank, so that a new controller can use this worker."""
+        self._closing = True
+        with self._cv:
+            self._inbox[-1] = (_STOP, None)
+            self._cv.notify()
+
+        def release_when_stopped():
+            self._thread.join(self.timeout_s + 30)  # a collective whose peers left times out
+            if not self._thread.is_alive():
+                self._release()
+        threading.Thread(target=release_when_stopped, daemon=True,
+                         name=f"dtorch-rank-{self.rank}-release").start()
+
     def _release(self) -> None:
         """Free what this rank held and let the collector see it again: the actor and its
         interpreter were frozen with the startup heap (``_freeze_heap``) and live in cycles,
@@ -148,6 +178,7 @@ class RankActor(ServesChannel):
         interp.pool = None
         interp.post_later = None
         self.close_links()
+        _held.clear()
         gc.unfreeze()
 
     # interpreter thread ----------------------------------------------------------------------

@@ -1,0 +1,200 @@
+"""Issue 23: nobody else on the machine can drive the ranks. The embedded cluster's scheduler,
+workers, controller and rank channels speak mutual TLS with certificates made at start;
+``security=False`` turns it off; a TLS cluster started with the ``dask`` commands is joined with
+``tls://`` and a Security; a plaintext client is refused by a TLS scheduler."""
+
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import Client
+from distributed.security import Security
+
+import dtorch
+from dtorch import Replicate, Shard, init_device_mesh
+from dtorch.runtime.channel import CONTROLLER, TOKEN_BYTES, accept_peer, connect
+
+BIN = Path(sys.executable).parent
+
+
+def _refused(fn) -> bool:
+    """Whether ``fn`` (a connection attempt) fails."""
+    try:
+        fn()
+    except (OSError, TimeoutError, ssl.SSLError, RuntimeError, ValueError, TypeError):
+        return True
+    return False
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, port = address.split("://")[-1].rsplit(":", 1)
+    return host, int(port)
+
+
+def test_the_embedded_cluster_speaks_only_mutual_tls(live):
+    scheduler = live.client.scheduler.address
+    workers = list(live.client.scheduler_info(n_workers=-1)["workers"])
+    assert scheduler.startswith("tls://") and all(w.startswith("tls://") for w in workers)
+    # the controller's own connections: Dask's and the ranks' channels
+    assert all(isinstance(s, ssl.SSLSocket) for s in live.channels._socks)
+    assert all(isinstance(s, ssl.SSLSocket) for s in live.channels._answer_socks)
+    # a process without the certificates: no Dask client, plain or TLS, and no TLS handshake
+    # with the scheduler or a worker (they ask for a certificate it does not have)
+    assert _refused(lambda: Client(scheduler, timeout=5).close())
+    assert _refused(lambda: Client(scheduler.replace("tls://", "tcp://"), timeout=5).close())
+    anonymous = ssl.create_default_context()
+    anonymous.check_hostname, anonymous.verify_mode = False, ssl.CERT_NONE
+    for address in [scheduler] + workers:
+        def handshake(address=address):
+            with socket.create_connection(_host_port(address), timeout=5) as raw:
+                with anonymous.wrap_socket(raw) as tls:
+                    tls.sendall(b"x")
+                    if tls.recv(1) == b"":  # TLS 1.3: the refusal comes with the first read
+                        raise ConnectionResetError("closed")
+        assert _refused(handshake), address
+    # the cluster is untouched and works
+    x = dtorch.tensor(torch.arange(8.), device_mesh=init_device_mesh("cpu", 4),
+                      placements=[Shard(0)])
+    assert torch.equal(x.redistribute(placements=[Replicate()]).to_torch(), torch.arange(8.))
+
+
+def test_a_rank_channel_over_tls_accepts_only_the_clusters_certificate():
+    """accept_peer with the cluster's TLS context: a stranger with the token but no
+    certificate (or another CA's) is closed; the holder of both is served."""
+    ours, theirs = Security.temporary(), Security.temporary()
+    server_ctx = ours.get_listen_args("worker")["ssl_context"]
+    server = socket.create_server(("127.0.0.1", 0))
+    token = os.urandom(TOKEN_BYTES)
+    accepted = []
+    thread = threading.Thread(target=lambda: accepted.append(
+        accept_peer(server, token, server_ctx)))
+    thread.start()
+    address = server.getsockname()
+    for ctx in (None, theirs.get_connection_args("client")["ssl_context"]):
+        def stranger(ctx=ctx):
+            sock = connect(address, token, CONTROLLER, 5, ctx)
+            sock.settimeout(5)
+            if sock.recv(1) == b"":
+                raise ConnectionResetError("closed")
+        assert _refused(stranger)
+    owner = connect(address, token, CONTROLLER, 5, ours.get_connection_args("client")
+                    ["ssl_context"])
+    thread.join(timeout=20)
+    assert accepted and accepted[0] is not None and accepted[0][1] == CONTROLLER
+    for s in (owner, accepted[0][0], server):
+        s.close()
+
+
+def test_security_false_is_plain_tcp(other_cluster):
+    c = other_cluster(n_workers=2, security=False)
+    assert c.client.scheduler.address.startswith("tcp://")
+    assert not any(isinstance(s, ssl.SSLSocket) for s in c.channels._socks)
+    x = dtorch.tensor(torch.arange(4.), device_mesh=init_device_mesh("cpu", 2),
+                      placements=[Shard(0)])
+    assert torch.equal(x.redistribute(placements=[Replicate()]).to_torch(), torch.arange(4.))
+
+
+def test_a_bad_security_argument_is_refused_before_anything_starts(live):
+    with pytest.raises(dtorch.ClusterError, match="security must be True, False or a "):
+        dtorch.init(n_workers=3, security="yes")
+    assert dtorch.cluster_info()["ranks"] == 4  # the running cluster was not touched
+
+
+SEED = r"""
+import json, sys, torch, dtorch
+from distributed.security import Security
+from dtorch import Shard, Replicate, Partial, init_device_mesh
+folder = sys.argv[2]
+security = Security(tls_ca_file=f"{folder}/ca.pem", tls_client_cert=f"{folder}/cert.pem",
+                    tls_client_key=f"{folder}/key.pem", require_encryption=True)
+dtorch.init(address=sys.argv[1], security=security)
+mesh = init_device_mesh("cpu", 2)
+full = torch.arange(16.).reshape(4, 4)
+x = dtorch.tensor(full, device_mesh=mesh, placements=[Shard(0)])
+counts = {}
+for name, dst in (("S->R", [Replicate()]), ("S->S", [Shard(1)])):
+    with dtorch.CommDebugMode() as mode:
+        y = x.redistribute(placements=dst)
+    counts[name] = mode.get_comm_counts()
+    assert torch.equal(y.to_torch(), full)
+p = dtorch.from_local([full, full], mesh, [Partial()])
+assert torch.equal(p.full_tensor(), 2 * full)
+tls = all(w.startswith("tls://") for w in dtorch.cluster_info()["workers"].values())
+print(json.dumps({"counts": counts, "tls": tls}))
+dtorch.shutdown()
+"""
+
+PLAIN = r"""
+import sys, dtorch
+try:
+    dtorch.init(address=sys.argv[1].replace("tls://", "tcp://"))
+except dtorch.ClusterError as exc:
+    print("REFUSED", exc)
+"""
+
+
+@pytest.fixture
+def tls_cluster(tmp_path):
+    """`dask scheduler` and `dask worker` started with the --tls-* flags, as the README says."""
+    sec = Security.temporary()
+    for name, text in (("ca.pem", sec.tls_ca_file), ("cert.pem", sec.tls_scheduler_cert),
+                       ("key.pem", sec.tls_scheduler_key)):
+        path = tmp_path / name
+        path.write_text(text)
+        path.chmod(0o600)
+    tls = ["--tls-ca-file", str(tmp_path / "ca.pem"), "--tls-cert", str(tmp_path / "cert.pem"),
+           "--tls-key", str(tmp_path / "key.pem")]
+    scheduler_file = tmp_path / "scheduler.json"
+    procs = [subprocess.Popen([str(BIN / "dask"), "scheduler", "--protocol", "tls", "--host",
+                               "127.0.0.1", "--port", "0", "--no-dashboard",
+                               "--scheduler-file", str(scheduler_file), *tls],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        deadline = time.monotonic() + 60
+        while not scheduler_file.exists():
+            assert time.monotonic() < deadline, "dask scheduler did not start"
+            time.sleep(0.2)
+        address = json.loads(scheduler_file.read_text())["address"]
+        procs.append(subprocess.Popen(
+            [str(BIN / "dask"), "worker", address, "--nworkers", "2", "--nthreads", "1",
+             "--no-dashboard", "--host", "127.0.0.1", *tls],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        yield address, tmp_path
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+@pytest.mark.timeout(300)
+def test_a_tls_cluster_started_with_the_dask_commands(tls_cluster):
+    address, folder = tls_cluster
+    assert address.startswith("tls://")
+    security = Security(tls_ca_file=f"{folder}/ca.pem", tls_client_cert=f"{folder}/cert.pem",
+                        tls_client_key=f"{folder}/key.pem", require_encryption=True)
+    deadline = time.monotonic() + 90
+    with Client(address, security=security, timeout=30) as client:
+        while len(client.scheduler_info()["workers"]) < 2:
+            assert time.monotonic() < deadline, "dask workers did not join"
+            time.sleep(0.2)
+    out = subprocess.run([sys.executable, "-c", SEED, address, str(folder)],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"counts": {"S->R": {"all_gather": 1}, "S->S": {"all_to_all": 1}},
+                      "tls": True}
+    plain = subprocess.run([sys.executable, "-c", PLAIN, address], capture_output=True,
+                           text=True, timeout=120)
+    assert "REFUSED cannot reach a Dask scheduler" in plain.stdout, plain.stdout + plain.stderr
