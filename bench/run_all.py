@@ -37,6 +37,12 @@
 - ``train_llama.py``: one training step of the small Llama on dp2 x tp2 (dtorch's Llama in
   ``DistributedDataParallel`` over dp) vs the same lean torch.nn Llama under PyTorch's
   ``parallelize_module`` + DDP (<= 1.0x); 1 MB buckets overlapped vs in the stream (info)
+- ``prediction.py``: the cost model's predicted time of seed 002's transitions and Partial ->
+  Shard(0) at 1, 16 and 64 MB beside the time the ranks spent in them (within 1.5x either way
+  from 16 MB), fitted by ``dtorch.measure_links`` on sizes up to 4 MiB per rank
+- ``tls_cost.py``: the embedded cluster with its default mutual TLS vs ``security=False``: the
+  500-op chain, an empty ``synchronize()``, ``to_torch()`` and a redistribute of 1 and 16 MB
+  (info)
 
 Each runs in its own child process (one process tree; every cluster and process group is torn
 down before the next starts, and Dask's worker environment does not leak into the next one).
@@ -66,7 +72,7 @@ BENCHES = ("redistribute_vs_dtensor.py", "to_torch_vs_dask.py",
            "startup.py", "op_overhead.py", "reads.py", "tp_mlp_vs_dtensor.py", "pipeline.py",
            "llama_vs_dtensor.py", "llama_cp.py", "controller_scaling.py",
            "redistribute_multinode.py", "optim_step.py", "train_step.py", "train_llama.py",
-           "prediction.py")
+           "prediction.py", "tls_cost.py")
 
 
 def main() -> int:

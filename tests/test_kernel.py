@@ -383,7 +383,7 @@ def test_magic_status_and_counts(kernel):
     status = "\n".join(kernel.ok("%dtorch status").texts())
     assert "4 ranks running" in status and "gloo" in status
     for rank in range(4):
-        assert f"rank {rank}: tcp://" in status
+        assert f"rank {rank}: tls://" in status
     assert "per-cell collective summary: on" in status
 
     assert "summary off" in kernel.ok("%dtorch counts off").stream()

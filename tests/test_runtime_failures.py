@@ -5,14 +5,13 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import pytest
 import torch
 
 import dtorch
 from dtorch import DeviceMesh, Partial, Replicate, Shard, init_device_mesh
-from dtorch.runtime import session
+from dtorch.runtime import session, testing
 from dtorch.runtime.controller import Controller
 from dtorch.runtime.interrupts import interrupts_held
 from dtorch.runtime.sigint_plugin import sigint_handlers
@@ -214,24 +213,6 @@ def test_interrupt_while_sending_a_batch_never_splits_it(mesh1d):
     assert torch.equal(y.to_torch(), torch.arange(8.))
 
 
-async def _die():
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _wait_until_gone(pid: int, limit_s: float = 30.0) -> None:
-    """Return once process ``pid`` has exited (gone, or a zombie its nanny has not reaped)."""
-    import psutil
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"process {pid} still runs {limit_s:g} s after SIGKILL")
-
-
 def test_dead_worker_is_reported_and_restart_recovers(mesh1d):
     """Runs last in this module: it kills a rank, then restarts the session cluster."""
     x = dtorch.tensor(torch.arange(8.), device_mesh=mesh1d, placements=[Shard(0)])
@@ -239,8 +220,8 @@ def test_dead_worker_is_reported_and_restart_recovers(mesh1d):
     c = session.get_controller()
     victim = c.ranks[3].address
     pid = c.client.run(os.getpid, workers=[victim])[victim]
-    c.client.run(_die, workers=[victim], wait=False)
-    _wait_until_gone(pid)  # the kill happened before the collective is issued
+    c.client.run(testing.die, workers=[victim], wait=False)
+    testing.wait_until_gone(pid)  # the kill happened before the collective is issued
     with pytest.raises(dtorch.WorkerLostError, match="rank 3 .*killed by SIGKILL"):
         x.redistribute(placements=[Replicate()]).to_torch()  # peers block in all_gather
     with pytest.raises((dtorch.ClusterError, dtorch.FreedTensorError)):

@@ -213,7 +213,7 @@ def test_cluster_info_and_synchronize(live):
     info = dtorch.cluster_info()
     assert info["ranks"] == 4 and info["backend"] == "gloo"
     assert sorted(info["workers"]) == [0, 1, 2, 3]
-    assert all(a.startswith("tcp://127.0.0.1:") for a in info["workers"].values())
+    assert all(a.startswith("tls://127.0.0.1:") for a in info["workers"].values())
     dtorch.synchronize()
 
 

@@ -34,9 +34,40 @@ def _refused(fn) -> bool:
     return False
 
 
-def _host_port(address: str) -> tuple[str, int]:
+STRANGER = r"""
+import json, socket, ssl, sys
+from distributed import Client
+scheduler, workers = sys.argv[1], sys.argv[2:]
+
+
+def refused(fn):
+    try:
+        fn()
+    except BaseException:  # whatever the client library raises: it did not get in
+        return True
+    return False
+
+
+def dask_client(address):
+    Client(address, timeout=5).close()
+
+
+def handshake(address):
+    anonymous = ssl.create_default_context()
+    anonymous.check_hostname, anonymous.verify_mode = False, ssl.CERT_NONE
     host, port = address.split("://")[-1].rsplit(":", 1)
-    return host, int(port)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        with anonymous.wrap_socket(raw) as tls:
+            tls.sendall(b"x")
+            if tls.recv(1) == b"":  # TLS 1.3: the refusal comes with the first read
+                raise ConnectionResetError("closed")
+
+
+out = {"client": refused(lambda: dask_client(scheduler)),
+       "plain client": refused(lambda: dask_client(scheduler.replace("tls://", "tcp://"))),
+       "handshakes": [refused(lambda a=a: handshake(a)) for a in [scheduler] + workers]}
+print(json.dumps(out))
+"""
 
 
 def test_the_embedded_cluster_speaks_only_mutual_tls(live):
@@ -46,20 +77,13 @@ def test_the_embedded_cluster_speaks_only_mutual_tls(live):
     # the controller's own connections: Dask's and the ranks' channels
     assert all(isinstance(s, ssl.SSLSocket) for s in live.channels._socks)
     assert all(isinstance(s, ssl.SSLSocket) for s in live.channels._answer_socks)
-    # a process without the certificates: no Dask client, plain or TLS, and no TLS handshake
-    # with the scheduler or a worker (they ask for a certificate it does not have)
-    assert _refused(lambda: Client(scheduler, timeout=5).close())
-    assert _refused(lambda: Client(scheduler.replace("tls://", "tcp://"), timeout=5).close())
-    anonymous = ssl.create_default_context()
-    anonymous.check_hostname, anonymous.verify_mode = False, ssl.CERT_NONE
-    for address in [scheduler] + workers:
-        def handshake(address=address):
-            with socket.create_connection(_host_port(address), timeout=5) as raw:
-                with anonymous.wrap_socket(raw) as tls:
-                    tls.sendall(b"x")
-                    if tls.recv(1) == b"":  # TLS 1.3: the refusal comes with the first read
-                        raise ConnectionResetError("closed")
-        assert _refused(handshake), address
+    # a process on this host without the certificates: no Dask client, plain or TLS, and no
+    # TLS handshake with the scheduler or a worker (they ask for a certificate it lacks)
+    out = subprocess.run([sys.executable, "-c", STRANGER, scheduler, *workers],
+                         capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "client": True, "plain client": True, "handshakes": [True] * (1 + len(workers))}, \
+        out.stdout + out.stderr[-2000:]
     # the cluster is untouched and works
     x = dtorch.tensor(torch.arange(8.), device_mesh=init_device_mesh("cpu", 4),
                       placements=[Shard(0)])

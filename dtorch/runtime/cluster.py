@@ -16,7 +16,6 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
-from typing import NamedTuple
 
 from ..errors import ClusterError
 from .channel import TOKEN_BYTES

@@ -69,3 +69,24 @@ def rank_residue(dask_worker=None) -> dict:
         getattr(dask_worker, "actors", {}) or {}
     return {"holder": holder_of(), **rank_leftovers(),
             "actors": sum(isinstance(a, RankActor) for a in actors.values())}
+
+
+async def die() -> None:
+    """Run on a worker (``client.run(die, workers=[address], wait=False)``): SIGKILL its own
+    process, as an out-of-memory kill or a crash would."""
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def wait_until_gone(pid: int, limit_s: float = 30.0) -> None:
+    """Return once process ``pid`` has exited (gone, or a zombie its nanny has not reaped)."""
+    import psutil
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still runs {limit_s:g} s after SIGKILL")

@@ -202,7 +202,6 @@ class RankActor(ServesChannel):
     def _run(self, master_addr, master_port, backend, timeout_s, num_threads,
              store_socket) -> None:
         import torch
-        import torch.distributed as dist
         if num_threads:
             torch.set_num_threads(num_threads)
         try:
