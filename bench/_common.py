@@ -111,6 +111,18 @@ def main(run, doc: str) -> None:
     print(table(rows), flush=True)
 
 
+def timed_calls(fn, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn``, after one untimed warm-up call."""
+    import time
+    fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def median(xs) -> float:
     return statistics.median(xs)
 

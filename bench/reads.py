@@ -30,7 +30,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, main, summarize  # noqa: E402
+from _common import Row, main, summarize, timed_calls  # noqa: E402
 
 WORLD = 4
 TARGET_S = 1.5e-3
@@ -61,16 +61,6 @@ def socket_round_trip(repeats: int) -> list[float]:
     client.close()
     thread.join()
     server.close()
-    return out
-
-
-def timed(fn, repeats: int) -> list[float]:
-    fn()  # warm: plans cached, connections open
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
     return out
 
 
@@ -110,7 +100,7 @@ def run(quick: bool = False) -> list[Row]:
         ]
         rows = []
         for name, fn, target in cases:
-            t = summarize(timed(fn, repeats))
+            t = summarize(timed_calls(fn, repeats))
             verdict = "" if target is None else \
                 f"; target <= {target * 1e3:.1f} ms: {'yes' if t.median <= target else 'no'}"
             rows.append(Row.timed(name, t, sock, None,

@@ -21,22 +21,11 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Row, main, matrix_shape, summarize  # noqa: E402
+from _common import Row, main, matrix_shape, summarize, timed_calls  # noqa: E402
 
 WORLD = 4
-
-
-def timed(fn, repeats: int) -> list[float]:
-    fn()  # warm
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def measure(security: bool, repeats: int) -> dict[str, list[float]]:
@@ -63,7 +52,7 @@ def measure(security: bool, repeats: int) -> dict[str, list[float]]:
         for mb, t in tensors.items():
             cases[f"to_torch() of {mb} MB"] = t.to_torch
             cases[f"redistribute S(0)->R {mb} MB"] = moved(t)
-        return {name: timed(fn, repeats) for name, fn in cases.items()}
+        return {name: timed_calls(fn, repeats) for name, fn in cases.items()}
     finally:
         dtorch.shutdown()
 

@@ -8,14 +8,13 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from distributed import Client
 
+from dask_commands import dask_commands
 from dtorch.runtime.testing import rank_leftovers, rank_residue
 
-BIN = Path(sys.executable).parent
 
 SCRIPT = r"""
 import json, sys, torch, dtorch
@@ -35,30 +34,9 @@ dtorch.shutdown()
 
 @pytest.fixture
 def external_cluster(tmp_path):
-    scheduler_file = tmp_path / "scheduler.json"
-    procs = [subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1",
-                               "--port", "0", "--no-dashboard",
-                               "--scheduler-file", str(scheduler_file)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        deadline = time.monotonic() + 60
-        while not scheduler_file.exists():
-            assert time.monotonic() < deadline, "dask scheduler did not start"
-            time.sleep(0.2)
-        procs.append(subprocess.Popen(
-            [str(BIN / "dask"), "worker", "--scheduler-file", str(scheduler_file),
-             "--nworkers", "2", "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    with dask_commands(tmp_path) as address:
         time.sleep(1)
-        yield json.loads(scheduler_file.read_text())["address"]
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        yield address
 
 
 def wait_for_workers(address: str, n: int = 2) -> None:

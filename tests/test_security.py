@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +19,9 @@ from distributed.security import Security
 
 import dtorch
 from dtorch import Replicate, Shard, init_device_mesh
+from dask_commands import dask_commands
 from dtorch.runtime.channel import CONTROLLER, TOKEN_BYTES, accept_peer, connect
 
-BIN = Path(sys.executable).parent
 
 
 def _refused(fn) -> bool:
@@ -176,30 +175,9 @@ def tls_cluster(tmp_path):
         path.chmod(0o600)
     tls = ["--tls-ca-file", str(tmp_path / "ca.pem"), "--tls-cert", str(tmp_path / "cert.pem"),
            "--tls-key", str(tmp_path / "key.pem")]
-    scheduler_file = tmp_path / "scheduler.json"
-    procs = [subprocess.Popen([str(BIN / "dask"), "scheduler", "--protocol", "tls", "--host",
-                               "127.0.0.1", "--port", "0", "--no-dashboard",
-                               "--scheduler-file", str(scheduler_file), *tls],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        deadline = time.monotonic() + 60
-        while not scheduler_file.exists():
-            assert time.monotonic() < deadline, "dask scheduler did not start"
-            time.sleep(0.2)
-        address = json.loads(scheduler_file.read_text())["address"]
-        procs.append(subprocess.Popen(
-            [str(BIN / "dask"), "worker", address, "--nworkers", "2", "--nthreads", "1",
-             "--no-dashboard", "--host", "127.0.0.1", *tls],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    with dask_commands(tmp_path, scheduler_args=["--protocol", "tls", *tls],
+                       worker_args=tls) as address:
         yield address, tmp_path
-    finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
 
 
 @pytest.mark.timeout(300)
