@@ -34,6 +34,7 @@ import hmac
 import pickle
 import selectors
 import socket
+import ssl
 import struct
 import threading
 from concurrent.futures import Future
@@ -139,7 +140,7 @@ class FrameReader:
             else:
                 chunk = sock.recv(_CHUNK)
                 n = len(chunk)
-        except BlockingIOError:
+        except (BlockingIOError, ssl.SSLWantReadError):  # nothing whole yet (non-blocking)
             return []
         except OSError as exc:
             raise ChannelClosed(f"the channel broke: {exc}") from exc
@@ -245,9 +246,13 @@ def connect(address: tuple, token: bytes, role: bytes, timeout_s: float = 30.0,
     sock = socket.create_connection(tuple(address), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     keep_alive(sock)
-    if ssl_context is not None:
-        sock = ssl_context.wrap_socket(sock, server_side=False)
-    sock.sendall(token + role)
+    try:
+        if ssl_context is not None:
+            sock = ssl_context.wrap_socket(sock, server_side=False)
+        sock.sendall(token + role)
+    except BaseException:
+        sock.close()
+        raise
     sock.settimeout(None)
     return sock
 
@@ -274,8 +279,9 @@ class Channels:
         self.received = [0] * len(addresses)  # answers read from each rank
         try:
             for address in addresses:  # answers first: a rank takes connections in order
-                self._answer_socks.append(connect(address, token, ANSWERS, timeout_s,
-                                                  ssl_context))
+                answers = connect(address, token, ANSWERS, timeout_s, ssl_context)
+                answers.setblocking(False)  # a rank paused inside a TLS record blocks no one
+                self._answer_socks.append(answers)
                 sock = connect(address, token, CONTROLLER, timeout_s, ssl_context)
                 sock.settimeout(send_timeout_s)  # a rank that stops reading: an error, not a hang
                 self._socks.append(sock)

@@ -238,6 +238,11 @@ def _user_set(key: str) -> bool:
 def connect(address: str, **dask_kwargs):
     """A client of an existing Dask scheduler (``dask scheduler`` / dask-jobqueue / ...)."""
     from distributed import Client
+    if address.startswith("tls://") and not _has_certificates(dask_kwargs.get("security")):
+        raise ClusterError(f"{address} speaks TLS: pass its certificates, e.g. dtorch.init("
+                           f"address={address!r}, security=distributed.security.Security("
+                           f"tls_ca_file='ca.pem', tls_client_cert='cert.pem', "
+                           f"tls_client_key='key.pem', require_encryption=True))")
     if dask_kwargs.get("security") in (None, False):  # Dask's configured default: plain TCP
         dask_kwargs.pop("security", None)            # unless its config names certificates
     try:
@@ -247,6 +252,14 @@ def connect(address: str, **dask_kwargs):
     except OSError as exc:
         raise ClusterError(f"cannot reach a Dask scheduler at {address!r}: {exc}. Start one with "
                            f"`dask scheduler` and workers with `dask worker {address}`") from exc
+
+
+def _has_certificates(security) -> bool:
+    """Whether a client with ``security`` (None: Dask's configuration) has TLS certificates."""
+    from distributed.security import Security
+    if not isinstance(security, Security):
+        security = Security()  # what Dask's configuration names, if anything
+    return bool(security.get_tls_config_for_role("client").get("ca_file"))
 
 
 def worker_addresses(client, expected: int | None = None, wait_s: float = 60.0) -> list[str]:
@@ -324,7 +337,9 @@ def check_workers_free(client, workers: list[str], holder: str) -> None:
         f"): {', '.join(sorted(held))}. One controller drives a set of workers at a time: give "
         f"this one its own workers (another `dask worker` set, or dtorch.init() without an "
         f"address for an embedded cluster), or end the other (dtorch.shutdown() there, or "
-        f"restart its kernel; a controller that died releases its workers within ~30 s)")
+        f"restart its kernel). A controller that died releases its workers within ~30 s, or "
+        f"DTORCH_COLLECTIVE_TIMEOUT + 30 s when a rank was inside a collective; if they stay "
+        f"held, restart the workers (Client(address).restart(), or restart `dask worker`)")
 
 
 def _close_store_socket(client, worker: str, key: str) -> None:

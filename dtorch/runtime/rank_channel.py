@@ -137,7 +137,18 @@ class ServesChannel:
             sock.close()
         self._children.clear()
         if self._answers is not None:
-            self._answers.close()
+            with self._send_lock:
+                self._answers.close()
+
+    def abort_answers(self) -> None:
+        """Shut the answers' connection down now: a send blocked on a controller that went
+        silent (unacknowledged data keeps TCP retrying for many minutes) returns at once."""
+        import socket
+        if self._answers is not None:
+            try:
+                self._answers.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _relay(self, relay: Relay) -> None:
         """Forward each sub-block its routes, then queue this rank's own batch. The links

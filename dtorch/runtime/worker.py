@@ -29,17 +29,50 @@ from .replay import Run
 
 _STOP = object()
 _held: dict = {}  # this worker process's rank, while a world is up: who holds it, since when
+_held_lock = threading.Lock()
 
 
-def holder_of() -> dict | None:
+def holder_of(dask_worker=None) -> dict | None:
     """Run on a worker (``client.run(holder_of)``): the controller whose rank this worker
     process runs now (``{"holder": "pid 123 on host", "rank": 0, "since": epoch seconds}``),
-    or None when it is free.
+    or None when it is free. A hold whose actor Dask no longer keeps (its client went away)
+    is stale: free.
 
     >>> holder_of() is None
     True
     """
-    return dict(_held) if _held else None
+    with _held_lock:
+        if not _held:
+            return None
+        if dask_worker is not None and not _actor_kept(dask_worker, _held.get("owner")):
+            return None
+        return {k: v for k, v in _held.items() if k != "owner"}
+
+
+def _actor_kept(dask_worker, actor) -> bool:
+    actors = getattr(getattr(dask_worker, "state", None), "actors", None)
+    if actors is None:
+        actors = getattr(dask_worker, "actors", {}) or {}
+    return any(a is actor for a in actors.values())
+
+
+def _hold(actor, holder: str, rank: int) -> None:
+    """Record that ``holder`` drives this worker; refuse if another controller still does
+    (two controllers starting at once both passed ``cluster.check_workers_free``)."""
+    from distributed import get_worker
+    with _held_lock:
+        if _held and _held["holder"] != holder and _actor_kept(get_worker(), _held["owner"]):
+            raise RuntimeError(f"this worker already runs rank {_held['rank']} of another dtorch "
+                               f"controller ({_held['holder']})")
+        _held.clear()
+        _held.update(holder=holder, rank=rank, since=time.time(), owner=actor)
+
+
+def _unhold(actor) -> None:
+    """Forget the hold if ``actor`` made it (a late release never clears a newer world's)."""
+    with _held_lock:
+        if _held.get("owner") is actor:
+            _held.clear()
 
 
 def leave_world(group) -> None:
@@ -68,8 +101,8 @@ class RankActor(ServesChannel):
                  fanout: int = 0, holder: str = ""):
         from distributed import get_worker
         self.rank, self.world = rank, world
-        _held.clear()
-        _held.update(holder=holder or "an unnamed controller", rank=rank, since=time.time())
+        _hold(self, holder or "an unnamed controller", rank)
+        self._released = False
         self.ip = worker_ip(get_worker().address)  # torch.distributed binds to this address
         self.store_address = (master_addr, master_port)  # rank 0's rendezvous store
         self.timeout_s = timeout_s
@@ -157,6 +190,7 @@ class RankActor(ServesChannel):
         with self._cv:
             self._inbox[-1] = (_STOP, None)
             self._cv.notify()
+        self.abort_answers()  # a send stuck on a silent controller must not keep the thread
 
         def release_when_stopped():
             self._thread.join(self.timeout_s + 30)  # a collective whose peers left times out
@@ -171,6 +205,9 @@ class RankActor(ServesChannel):
         so a worker that outlives its world (a cluster you run yourself) would keep every
         shard otherwise."""
         import gc
+        if self._released:
+            return
+        self._released = True
         interp = self.interp
         interp.store.clear()
         interp.graphs.clear()
@@ -178,7 +215,7 @@ class RankActor(ServesChannel):
         interp.pool = None
         interp.post_later = None
         self.close_links()
-        _held.clear()
+        _unhold(self)
         gc.unfreeze()
 
     # interpreter thread ----------------------------------------------------------------------
@@ -230,6 +267,8 @@ class RankActor(ServesChannel):
                 message=f"the rank's interpreter thread stopped: {type(exc).__name__}: {exc}")
             raise
         leave_world(self._world_group)
+        if self._closing:  # a stop that close() stopped waiting for: release now
+            self._release()
 
     def _join_world(self, master_addr, master_port, backend, timeout_s, store_socket) -> None:
         """init_process_group on this worker's own interface; rank 0's store serves on
