@@ -12,12 +12,17 @@ BIN = Path(sys.executable).parent
 
 
 @contextmanager
-def dask_commands(folder: Path, n_workers: int = 2, scheduler_args=(), worker_args=()):
+def dask_commands(folder: Path, n_workers: int = 2, scheduler_args=(), worker_args=(),
+                  procs_out: list | None = None, port: int = 0):
     """Yield the scheduler's address once its file exists (workers may still be joining);
-    terminate everything afterwards (kill what does not stop within 20 s)."""
+    terminate everything afterwards (kill what does not stop within 20 s). ``procs_out``
+    receives the processes (the scheduler first)."""
+    folder.mkdir(parents=True, exist_ok=True)
     scheduler_file = folder / "scheduler.json"
-    procs = [subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1",
-                               "--port", "0", "--no-dashboard", "--scheduler-file",
+    scheduler_file.unlink(missing_ok=True)
+    procs = procs_out if procs_out is not None else []
+    procs += [subprocess.Popen([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1",
+                               "--port", str(port), "--no-dashboard", "--scheduler-file",
                                str(scheduler_file), *scheduler_args],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     try:

@@ -4,10 +4,11 @@ step returns or raises within its bound), ``restart()`` recovers and the workloa
 torch's values, and no worker process is left over (the nannies replace the dead ones; the
 count stays the cluster's). The figures are printed (``-s``) and quoted in the README.
 
-The controller's own death is ``test_runtime_external``'s
-``test_a_dead_controller_releases_its_workers_and_a_second_is_refused_meanwhile``.
-Not injected yet: a scheduler restart, SIGINT inside a long collective (see the notes of
-issue 23).
+Also here: SIGINT to the controller while ranks wait inside a long collective. The
+controller's own death and the scheduler's are in ``test_runtime_external``
+(``test_a_dead_controller_releases_its_workers_and_a_second_is_refused_meanwhile``,
+``test_scheduler_loss_is_a_clear_error_and_restart_recovers_once_it_is_back``): they need a
+cluster started with the ``dask`` commands.
 """
 
 import os
@@ -139,3 +140,44 @@ def test_random_worker_kills_are_reported_and_recovered(live):
     assert figures["cycles"] == figures["faults"] == figures["reported"] == \
         figures["recovered"] == CYCLES
     assert figures["hangs"] == 0 and figures["leftover_processes"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_sigint_inside_a_long_collective_returns_and_the_cluster_goes_on(live, tmp_path):
+    """Rank 3 is held in a long op, so ranks 0-2 wait inside the all_gather after it; the
+    controller, waiting for the result, gets SIGINT (Ctrl-C, a Jupyter interrupt): it raises
+    KeyboardInterrupt at once, the ranks are not interrupted, and once rank 3 goes on the
+    collective completes and the same tensors read torch's values, no restart needed.
+    Mutation: holding SIGINT for the whole wait (``interrupts_held`` around ``wait``)."""
+    import signal
+    import threading
+
+    from dtorch.runtime import messages as m
+    from dtorch.runtime import testing
+    mesh = init_device_mesh("cpu", 4)
+    full = torch.arange(64.).reshape(16, 4)
+    x = dtorch.tensor(full, device_mesh=mesh, placements=[Shard(0)])
+    dtorch.synchronize()
+    c = session.get_controller()
+    folder = str(tmp_path)
+    c.issue(m.Call((), testing.hold_rank, (folder,), {}, (3,)))
+    r = x.redistribute(placements=[Replicate()])  # ranks 0-2 enter it; rank 3 is held before
+
+    def interrupt():
+        testing.wait_until_held(folder, 1)
+        time.sleep(0.5)  # ranks 0-2 are waiting inside the all_gather by now
+        os.kill(os.getpid(), signal.SIGINT)
+    thread = threading.Thread(target=interrupt)
+    thread.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            r.to_torch()
+        interrupted_after = time.monotonic() - t0
+        assert [s["running"] for s in dtorch.rank_stats()][3] == "Call(hold_rank)"
+    finally:
+        thread.join()
+        testing.release_ranks(folder)
+    assert torch.equal(r.to_torch(), full)  # the collective finished: nothing lost
+    assert not c.closed and session.get_controller() is c
+    print(f"\nSIGINT inside a collective: control back after {interrupted_after:.1f} s")

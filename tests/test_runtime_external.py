@@ -113,3 +113,66 @@ def test_a_dead_controller_releases_its_workers_and_a_second_is_refused_meanwhil
                            capture_output=True, text=True, timeout=180)
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert json.loads(fresh.stdout.strip().splitlines()[-1])["ok"] is True
+
+
+SCHEDULER_LOSS = r"""
+import json, os, signal, sys, time, torch, dtorch
+from pathlib import Path
+from dtorch import Shard, Replicate, init_device_mesh
+address, scheduler_pid, folder = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+dtorch.init(address=address)
+x = dtorch.tensor(torch.arange(8.), device_mesh=init_device_mesh("cpu", 2),
+                  placements=[Shard(0)])
+assert x.redistribute(placements=[Replicate()]).to_torch().sum().item() == 28
+os.kill(scheduler_pid, signal.SIGKILL)
+error, deadline = None, time.monotonic() + 60
+while error is None and time.monotonic() < deadline:  # the channels need no scheduler: ops
+    try:                                              # go on until its workers stop with it
+        x = x * 1.0
+        x.to_torch()
+        time.sleep(0.5)
+    except (dtorch.WorkerLostError, dtorch.ClusterError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+(folder / "lost").touch()
+while not (folder / "back").exists():
+    time.sleep(0.2)
+world = dtorch.restart().world
+y = dtorch.tensor(torch.arange(8.), device_mesh=init_device_mesh("cpu", 2),
+                  placements=[Shard(0)])
+print(json.dumps({"error": error, "ranks": world,
+                  "sum": y.redistribute(placements=[Replicate()]).to_torch().sum().item()}))
+dtorch.shutdown()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_scheduler_loss_is_a_clear_error_and_restart_recovers_once_it_is_back(tmp_path):
+    """Issue 23: the scheduler killed under a running controller: the ranks' channels need no
+    scheduler, so work goes on until its workers stop with it; then a read raises a
+    WorkerLostError naming the scheduler, no hang; a new scheduler and workers on the same
+    address, and dtorch.restart() runs there. Mutation: no
+    ``_scheduler_gone()`` in ``Controller._lost`` (the message names only the rank)."""
+    from dtorch.runtime.cluster import free_port
+    port = free_port()
+    procs: list = []
+    with dask_commands(tmp_path / "first", procs_out=procs, port=port) as address:
+        wait_for_workers(address)
+        controller = subprocess.Popen([sys.executable, "-c", SCHEDULER_LOSS, address,
+                                       str(procs[0].pid), str(tmp_path)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "lost").exists():
+            assert controller.poll() is None, controller.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the read after the scheduler died hung"
+            time.sleep(0.2)
+    with dask_commands(tmp_path / "second", port=port) as again:
+        assert again == address
+        wait_for_workers(again)
+        (tmp_path / "back").touch()
+        out, err = controller.communicate(timeout=180)
+    assert controller.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["error"] is not None and "WorkerLostError" in result["error"]
+    assert f"the Dask scheduler at {address} cannot be reached" in result["error"], \
+        result["error"]
+    assert result["ranks"] == 2 and result["sum"] == 28.0

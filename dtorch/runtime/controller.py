@@ -401,10 +401,30 @@ class Controller:
         address = self.ranks[rank].address
         from .cluster import exit_reason  # Dask: only when a rank is gone
         ended = exit_reason(address, wait_s=2.0 if self.cluster is not None else 0.0)
-        why = "".join(f"; {reason}" for reason in (exc, ended) if reason)
+        why = "".join(f"; {reason}" for reason in (exc, ended, self._scheduler_gone()) if reason)
         return WorkerLostError(f"rank {rank} (Dask worker {address}) died or left the "
                                f"cluster{why}. Its shards are lost; call dtorch.restart() to "
                                f"start a fresh world")
+
+    def _scheduler_gone(self) -> str | None:
+        """Why the Dask scheduler cannot be reached (its workers stop with it), or None: a
+        connection to its address is refused, or the client says it lost it."""
+        import socket
+        client = self.client
+        if client is None:
+            return None
+        address = client.scheduler.address
+        status = getattr(client, "status", "running")
+        if status == "running":
+            try:
+                host, port = address.split("://")[-1].rsplit(":", 1)
+                socket.create_connection((host, int(port)), timeout=1.0).close()
+                return None
+            except (OSError, ValueError):
+                status = "refused"
+        return (f"the Dask scheduler at {address} cannot be reached ({status}): its workers "
+                f"stopped with it; once the scheduler and its workers are back, "
+                f"dtorch.restart() starts a world on them")
 
     def synchronize(self, timeout: float | None = None) -> None:
         """Wait until every rank ran everything issued; raise the errors they hit meanwhile."""
