@@ -167,6 +167,17 @@ print(json.dumps({"counts": counts, "tls": tls}))
 dtorch.shutdown()
 """
 
+CONFIGURED = r"""
+import sys, torch, dtorch
+from dtorch import Shard, Replicate, init_device_mesh
+dtorch.init(scheduler_file=sys.argv[1])  # the certificates come from Dask's configuration
+x = dtorch.tensor(torch.arange(4.), device_mesh=init_device_mesh("cpu", 2),
+                  placements=[Shard(0)])
+print("SUM", x.redistribute(placements=[Replicate()]).to_torch().sum().item(),
+      dtorch.cluster_info()["scheduler"].split(":")[0])
+dtorch.shutdown()
+"""
+
 PLAIN = r"""
 import sys, dtorch
 try:
@@ -187,7 +198,7 @@ def tls_cluster(tmp_path):
         path.chmod(0o600)
     tls = ["--tls-ca-file", str(tmp_path / "ca.pem"), "--tls-cert", str(tmp_path / "cert.pem"),
            "--tls-key", str(tmp_path / "key.pem")]
-    with dask_commands(tmp_path, scheduler_args=["--protocol", "tls", *tls],
+    with dask_commands(tmp_path / "first", scheduler_args=["--protocol", "tls", *tls],
                        worker_args=tls) as address:
         yield address, tmp_path
 
@@ -216,3 +227,20 @@ def test_a_tls_cluster_started_with_the_dask_commands(tls_cluster):
                                                                ''), address],
                           capture_output=True, text=True, timeout=120)
     assert "speaks TLS: pass its certificates" in bare.stdout, bare.stdout + bare.stderr
+    # the scheduler file `dask scheduler --scheduler-file` wrote, and the certificates in
+    # Dask's configuration (its environment variables), as the dask commands' own clients do
+    env = dict(os.environ, DASK_DISTRIBUTED__COMM__TLS__CA_FILE=f"{folder}/ca.pem",
+               DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT=f"{folder}/cert.pem",
+               DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY=f"{folder}/key.pem")
+    configured = subprocess.run([sys.executable, "-c", CONFIGURED,
+                                 str(folder / "first" / "scheduler.json")],
+                                capture_output=True, text=True, timeout=180, env=env)
+    assert "SUM 6.0 tls" in configured.stdout, configured.stdout + configured.stderr[-3000:]
+
+
+def test_a_scheduler_file_that_cannot_be_read_says_what_it_should_be(live, tmp_path):
+    with pytest.raises(dtorch.ClusterError, match="it is the file `dask scheduler"):
+        dtorch.init(scheduler_file=str(tmp_path / "missing.json"))
+    with pytest.raises(dtorch.ClusterError, match="address= or scheduler_file=, not both"):
+        dtorch.init(address="tls://127.0.0.1:1", scheduler_file=str(tmp_path / "s.json"))
+    assert dtorch.cluster_info()["ranks"] == 4  # the running cluster was not touched

@@ -46,9 +46,14 @@ def _collective_timeout() -> float:
 
 
 def init(n_workers: int | None = None, address: str | None = None,
-         device_type: str | None = None, dry_run: bool = False, **dask_kwargs) -> Controller:
-    """Start the embedded cluster (or join ``address``) and bring up one rank per worker.
+         device_type: str | None = None, dry_run: bool = False,
+         scheduler_file: str | None = None, **dask_kwargs) -> Controller:
+    """Start the embedded cluster (or join ``address``, or the scheduler a ``dask scheduler
+    --scheduler-file`` wrote) and bring up one rank per worker.
 
+    ``security``: the embedded cluster's TLS (default on; ``False`` for plain TCP), or a
+    ``distributed.security.Security`` for a ``tls://`` cluster (without it, Dask's
+    configuration's certificates, e.g. ``DASK_DISTRIBUTED__COMM__TLS__CA_FILE``, are used).
     ``device_type`` is ``"cpu"`` unless given. Calling it again with arguments the running
     cluster satisfies (same size, device type, address) returns it; asking for a different
     cluster while DTensors are alive raises, otherwise the old one is shut down first.
@@ -57,6 +62,8 @@ def init(n_workers: int | None = None, address: str | None = None,
     """
     global _controller, _init_args
     from .cluster import check_dask_kwargs  # Dask is imported when a cluster is asked for
+    if scheduler_file is not None:
+        address = _address_in(scheduler_file, address)
     if device_type not in (None, "cpu", "cuda"):
         raise ClusterError(f"device_type must be 'cpu' or 'cuda'; got {device_type!r}")
     check_dask_kwargs(dask_kwargs, remote=address is not None)
@@ -90,6 +97,18 @@ def init(n_workers: int | None = None, address: str | None = None,
         raise
     _notify("ready", controller=_controller, seconds=time.monotonic() - started)
     return _controller
+
+
+def _address_in(scheduler_file, address: str | None) -> str:
+    """The scheduler address a ``--scheduler-file`` holds (ClusterError when unreadable)."""
+    import json
+    if address is not None:
+        raise ClusterError("give address= or scheduler_file=, not both")
+    try:
+        return json.loads(open(scheduler_file).read())["address"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ClusterError(f"cannot read a scheduler address from {scheduler_file!r} ({exc}); "
+                           f"it is the file `dask scheduler --scheduler-file` writes") from exc
 
 
 def _same_cluster(c: Controller, n_workers, address, device_type, dask_kwargs,
