@@ -54,7 +54,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import (ReferenceRanks, Row, Timing, barrier_timed, dtorch_cluster,  # noqa: E402
-                     dtorch_rank_settings, main, serve_timings, summarize, take_turns)
+                     dtorch_rank_settings, main, serve_timings, summarize, take_turns,
+                     timed_calls)
 
 WORLD = 4
 CHAIN_OPS = 500
@@ -123,15 +124,7 @@ def plain_torch(repeats: int) -> dict:
     xg = x.clone().requires_grad_(True)
     work = {"chain": lambda: chain(x), "mlp": lambda: mlp(xin, w1, w2, lambda t: t),
             "chain_grad": lambda: chain(xg)}
-    out = {}
-    for name, fn in work.items():
-        fn()
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - t0)
-        out[name] = summarize(runs)
+    out = {name: summarize(timed_calls(fn, repeats)) for name, fn in work.items()}
     runs = []
     for _ in range(repeats + 1):
         xg.grad = None
