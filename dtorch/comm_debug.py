@@ -137,9 +137,10 @@ _origin: list = [None]
 
 
 @contextmanager
-def origin(name: str):
+def origin(name):
     """Records made inside name ``name`` as what issued them (an op whose rule or decomposition
-    runs collectives; the outermost name wins).
+    runs collectives; the outermost name wins). ``name`` may be a function giving it: it is
+    called only when a record is made (the ops' hot path pays no formatting).
 
     >>> from dtorch import init_device_mesh, Shard, Replicate, plan_redistribute
     >>> steps = plan_redistribute(init_device_mesh("cpu", 2), (4,), [Shard(0)], [Replicate()])
@@ -155,10 +156,6 @@ def origin(name: str):
         yield
     finally:
         _origin.pop()
-
-
-def current_origin() -> str | None:
-    return _origin[-1]
 
 
 @contextmanager
@@ -212,6 +209,8 @@ def record_steps(steps: Iterable, issued_by: str | None = None) -> None:
     if not _listeners:
         return
     who = _origin[-1] or issued_by
+    if callable(who):
+        who = who()
     for s in steps:
         if s.kind in COMM_KINDS:
             op = s.src.reduce_op if s.kind in ("all_reduce", "reduce_scatter") else None

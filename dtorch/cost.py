@@ -201,6 +201,21 @@ class Prediction(NamedTuple):
         return self.text()
 
 
+def fit_key(step) -> tuple[str, int, int] | None:
+    """``(kind, group size, groups)`` whose fit predicts ``step`` (``send_recv``: pairs, each a
+    group of 2); None for a local step or a group of one.
+
+    >>> from dtorch.comm_debug import CommRecord
+    >>> fit_key(CommRecord("all_reduce", 1, "tp", ((0, 1), (2, 3)), 8))
+    ('all_reduce', 2, 2)
+    """
+    if step.kind not in FIT_KINDS:
+        return None
+    groups = tuple(step.groups)
+    p = 2 if step.kind == "send_recv" else max((len(g) for g in groups), default=1)
+    return (step.kind, p, len(groups)) if p > 1 else None
+
+
 def step_cost(step, model: LinkModel) -> StepCost:
     """Predicted cost of one planned ``Step`` or issued ``CommRecord`` (anything with
     ``kind``, ``groups``, ``bytes_per_rank``, ``mesh_dim``, ``mesh_dim_name``)."""
@@ -214,9 +229,8 @@ def step_cost(step, model: LinkModel) -> StepCost:
         return StepCost(kind, name, dim, p, len(groups), nbytes, 0.0, 0.0, None)
     wire = wire_bytes(kind, p, nbytes)
     if kind == "send_recv":  # pairs run at once: one "group" of 2 per pair
-        p, n_groups = 2, len(groups)
-    else:
-        n_groups = len(groups)
+        p = 2
+    n_groups = len(groups)
     fit = model.fit_for(kind if kind != "broadcast" else "all_gather", p, n_groups)
     seconds = fit.alpha_s + fit.beta_s_per_byte * wire if fit is not None else math.nan
     return StepCost(kind, name, dim, p, n_groups, nbytes, wire, seconds, fit)
@@ -236,14 +250,7 @@ def needed_keys(steps: Iterable) -> set[tuple[str, int, int]]:
     >>> sorted(needed_keys(plan_redistribute(m, (4, 4), [Shard(0), Shard(1)], [Replicate()] * 2)))
     [('all_gather', 2, 2)]
     """
-    out = set()
-    for s in steps:
-        if s.kind in FIT_KINDS:
-            groups = tuple(s.groups)
-            p = 2 if s.kind == "send_recv" else max((len(g) for g in groups), default=1)
-            if p > 1:
-                out.add((s.kind, p, len(groups)))
-    return out
+    return {key for key in map(fit_key, steps) if key is not None}
 
 
 def fmt_seconds(s: float) -> str:

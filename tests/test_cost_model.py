@@ -157,3 +157,18 @@ def test_a_plan_beyond_the_cluster_is_refused_before_anything_is_sent(live):
     assert live.issued == issued
     model = LinkModel((LinkFit("all_gather", 8, 1, 1e-4, 0.0),))
     assert dtorch.predict(steps, model).total_s == 1e-4  # a given model needs no cluster
+
+
+def test_records_name_what_issued_them(live, mesh1d):
+    """A user's redistribute names its placements; the all_reduce a decomposed op (a 0-dim
+    Partial compared) runs is named after the op, not after the redistribute inside it.
+    Mutation: ``record_steps`` preferring ``issued_by`` over the enclosing ``origin``."""
+    x = dtorch.distribute_tensor(torch.randn(8, 8), mesh1d, [Shard(0)])
+    p = dtorch.from_local([torch.tensor(1.0)] * 4, mesh1d, [Partial()])
+    with dtorch.CommDebugMode() as mode:
+        x.redistribute(mesh1d, [Replicate()])
+        p > 2.0
+    origins = [r.origin for r in mode.get_comm_records()]
+    assert origins[0] == "redistribute [S(0)] -> [R]"
+    assert len(origins) == 2 and origins[1] is not None and "redistribute" not in origins[1], \
+        origins

@@ -24,7 +24,7 @@ the ``frames`` data (see :mod:`dtorch_widgets.explorer_model`). Its "run it" but
 from __future__ import annotations
 
 import functools
-import time
+import math
 from html import escape
 from pathlib import Path
 
@@ -71,8 +71,7 @@ def predictor(links):
     """How the explorers predict: ``steps -> dtorch.cost.Prediction`` from ``links`` (a
     ``dtorch.cost.LinkModel``) when given, else from the running cluster's fitted links
     (``dtorch.predict``, measured on first use; None where they cannot be measured, as on a
-    dry-run cluster); None when neither is there (no cluster runs, or this dtorch has no cost
-    model). Never starts a cluster.
+    dry-run cluster); None when neither is there (no cluster runs). Never starts a cluster.
 
     >>> from dtorch import init_device_mesh, Shard, Replicate, plan_redistribute
     >>> from dtorch.cost import LinkFit, LinkModel
@@ -86,13 +85,12 @@ def predictor(links):
         return functools.partial(predict, model=links)
     import dtorch
     from dtorch.runtime import session
-    predict = getattr(dtorch, "predict", None)
-    if predict is None or not session.is_running():
+    if not session.is_running():
         return None
 
     def on_the_cluster(steps):
         try:
-            return predict(steps)
+            return dtorch.predict(steps)
         except DTorchError:  # a dry-run cluster, a lost worker: no prediction, not an error
             return None
     return on_the_cluster
@@ -243,25 +241,13 @@ class PlacementExplorer(anywidget.AnyWidget):
 
 def _sample(shape, dtype) -> torch.Tensor:
     """A tensor whose values every placement keeps exactly (small integers)."""
-    n = 1
-    for s in shape:
-        n *= s
-    return (torch.arange(n) % 97).reshape(shape).to(dtype)
+    return (torch.arange(math.prod(shape)) % 97).reshape(shape).to(dtype)
 
 
 def timed(fn) -> tuple:
     """``(value, {"seconds", "counts", "comm_s", "by_kind"})`` of ``fn()`` and the wait for its
-    work: ``dtorch.time_comms`` where dtorch has it (time inside collectives on the ranks too),
-    else wall clock and ``CommDebugMode`` counts."""
+    work (``dtorch.time_comms``: wall time, and the time inside collectives on the ranks)."""
     import dtorch
-    time_comms = getattr(dtorch, "time_comms", None)
-    if time_comms is not None:
-        t = time_comms(fn)
-        return t.value, {"seconds": t.wall_s, "comm_s": t.comm_s, "by_kind": dict(t.by_kind),
-                         "counts": dict(t.counts)}
-    with dtorch.CommDebugMode() as mode:
-        start = time.perf_counter()
-        value = fn()
-        dtorch.synchronize()
-        wall = time.perf_counter() - start
-    return value, {"seconds": wall, "counts": dict(mode.get_comm_counts())}
+    t = dtorch.time_comms(fn)
+    return t.value, {"seconds": t.wall_s, "comm_s": t.comm_s, "by_kind": dict(t.by_kind),
+                     "counts": dict(t.counts)}

@@ -145,7 +145,7 @@ def _decomposes(func, args, kwargs) -> bool:
 
 def _dispatch(func, args, kwargs=None):
     if func in _DECOMPOSED and _decomposes(func, args, kwargs):  # runs as other DTensor ops
-        with comm_debug.origin(display_name(func)):
+        with comm_debug.origin(lambda: display_name(func)):
             result = _DECOMPOSED[func](func, *constants.swap_plain(func, args, kwargs or {}))
         if result is not NotImplemented:
             return result

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, NamedTuple
 
-from ..cost import FIT_KINDS, LinkModel, Prediction, fit_link, needed_keys, predict as _predict
+from ..cost import (FIT_KINDS, LinkModel, Prediction, fit_key, fit_link, needed_keys,
+                    predict as _predict)
 from ..errors import ClusterError
 from . import messages as m
 from . import session
@@ -120,12 +121,11 @@ def model_for(steps) -> LinkModel:
     """The running cluster's fits, with whatever ``steps`` need measured first."""
     c = session.get_controller()
     _check_measurable(c)
-    steps = list(steps)
     specs = {}
-    for key in needed_keys(steps):
-        groups = next(tuple(tuple(g) for g in s.groups) for s in steps
-                      if s.kind == key[0] and len(tuple(s.groups)) == key[2])
-        specs[key] = groups
+    for step in steps:  # the groups to time each needed fit on: the first step's that needs it
+        key = fit_key(step)
+        if key is not None:
+            specs.setdefault(key, tuple(tuple(g) for g in step.groups))
     return _ensure(c, specs, False)
 
 

@@ -64,11 +64,9 @@ def rank_residue(dask_worker=None) -> dict:
     """Run on a worker (``client.run(rank_residue)``): what a dtorch world left there: the
     controller still holding it (``holder``, None when free), RankActors Dask still keeps
     (``actors``), and :func:`rank_leftovers`' frozen objects and held tensors."""
-    from .worker import RankActor, holder_of
-    actors = getattr(getattr(dask_worker, "state", None), "actors", None) or \
-        getattr(dask_worker, "actors", {}) or {}
+    from .worker import RankActor, dask_actors, holder_of
     return {"holder": holder_of(), **rank_leftovers(),
-            "actors": sum(isinstance(a, RankActor) for a in actors.values())}
+            "actors": sum(isinstance(a, RankActor) for a in dask_actors(dask_worker))}
 
 
 async def die() -> None:

@@ -49,11 +49,16 @@ def holder_of(dask_worker=None) -> dict | None:
         return {k: v for k, v in _held.items() if k != "owner"}
 
 
-def _actor_kept(dask_worker, actor) -> bool:
+def dask_actors(dask_worker) -> list:
+    """The actor instances Dask keeps on ``dask_worker`` (its state's, or older Dask's)."""
     actors = getattr(getattr(dask_worker, "state", None), "actors", None)
     if actors is None:
         actors = getattr(dask_worker, "actors", {}) or {}
-    return any(a is actor for a in actors.values())
+    return list(actors.values())
+
+
+def _actor_kept(dask_worker, actor) -> bool:
+    return any(a is actor for a in dask_actors(dask_worker))
 
 
 def _hold(actor, holder: str, rank: int) -> None:
