@@ -12,7 +12,7 @@ Rows (information only, no target; seconds per forward):
 - **ring_cp 4 / ulysses_cp 4 vs the whole sequence on one process**. Reference: plain torch,
   no dtorch, in one spawned process using every core (``torch.set_num_threads(os.cpu_count())``,
   otherwise dtorch's rank-process allocator / huge-page settings, checked by
-  ``_common.ReferenceRanks``), running the lean ``torch.nn`` Llama of ``bench/lean_llama.py``
+  ``_reference.ReferenceRanks``), running the lean ``torch.nn`` Llama of ``bench/lean_llama.py``
   (``dtorch/models/llama.py`` op for op) on the whole sequence, one forward. What a user
   without CP would run on this machine; dtorch's 4 ranks sit idle during its turn. A
   plain process rather than a 1-rank dtorch mesh, so the baseline carries no framework cost.
@@ -42,8 +42,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, dtorch_cluster, dtorch_rank_settings,  # noqa: E402
-                     fmt_s, main, rank_threads, serve_timings, take_turns)
+from _common import (Row, dtorch_cluster, dtorch_rank_settings, fmt_s, main, rank_threads,
+                     take_turns)  # noqa: E402
+from _reference import ReferenceRanks, serve_timings  # noqa: E402
 from llama_vs_dtensor import (CONFIG, WORLD, dtorch_model, hf_model, lean_model,  # noqa: E402
                               token_ids)
 

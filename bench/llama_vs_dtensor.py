@@ -9,7 +9,7 @@ dtorch runs ``dtorch.models.LlamaForCausalLM(config, device_mesh=...)`` on ``("t
 ``("pp", "tp")`` 2 x 2, ``load_state_dict(hf.state_dict())``; the input ids are a torch tensor
 on the controller (shipped to the ranks by each forward). Its references run in 4 spawned
 torch processes (gloo on 127.0.0.1) with dtorch's rank-process settings (allocator, huge
-pages, torch threads; ``_common.ReferenceRanks`` checks them and stops the run if they
+pages, torch threads; ``_reference.ReferenceRanks`` checks them and stops the run if they
 differ), each holding the ids already. Every model there is parallelized with
 ``torch.distributed.tensor.parallel.parallelize_module`` as dtorch lays its model out:
 ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down, the embedding ColwiseParallel (feature
@@ -64,8 +64,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, dtorch_cluster, dtorch_rank_settings,  # noqa: E402
-                     fmt_s, main, serve_timings, take_turns)
+from _common import Row, dtorch_cluster, dtorch_rank_settings, fmt_s, main, take_turns  # noqa: E402
+from _reference import ReferenceRanks, serve_timings  # noqa: E402
 
 WORLD = 4
 CONFIG = dict(vocab_size=1000, hidden_size=256, num_attention_heads=8, num_key_value_heads=4,

@@ -32,7 +32,7 @@ can go on; they have no target, and their reference is the same ops in plain tor
 process (what the op itself costs), not a whole distributed job.
 
 The dtorch cluster starts first; the reference ranks are spawned with its rank processes'
-allocator, huge-page and thread settings and must report the same (``_common.ReferenceRanks``).
+allocator, huge-page and thread settings and must report the same (``_reference.ReferenceRanks``).
 Both stay up and take turns, one timed repeat each; medians and interquartile ranges.
 Targets (issue 21): the chain end to end <= 0.5x PyTorch DTensor, and a rank's CPU per op of
 the chain (its interpreter thread, read from ``rank_stats()``) <= 2x the op in plain torch in
@@ -53,9 +53,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, Timing, barrier_timed, dtorch_cluster,  # noqa: E402
-                     dtorch_rank_settings, main, serve_timings, summarize, take_turns,
-                     timed_calls)
+from _common import (Row, Timing, barrier_timed, dtorch_cluster, dtorch_rank_settings, main,
+                     summarize, take_turns, timed_calls)  # noqa: E402
+from _reference import ReferenceRanks, serve_timings  # noqa: E402
 
 WORLD = 4
 CHAIN_OPS = 500

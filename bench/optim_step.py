@@ -11,7 +11,7 @@ placements, so no collective runs on either side.
 - dtorch: ``dtorch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, foreach=True)``;
   ``STEPS`` steps issued, then ``synchronize()``: per step, issue on the controller, the
   batch to the ranks and the rank's own step (one instruction per rank per step).
-- reference: 4 spawned plain torch processes (dtorch's rank settings, ``_common.ReferenceRanks``),
+- reference: 4 spawned plain torch processes (dtorch's rank settings, ``_reference.ReferenceRanks``),
   each with tensors of its rank's local shard shapes, ``torch.optim.AdamW`` with the same
   arguments, ``STEPS`` steps between two barriers (the slowest rank counts).
 
@@ -28,8 +28,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, barrier_timed, dtorch_cluster,  # noqa: E402
-                     dtorch_rank_settings, main, serve_timings, take_turns)
+from _common import (Row, barrier_timed, dtorch_cluster, dtorch_rank_settings, main,
+                     take_turns)  # noqa: E402
+from _reference import ReferenceRanks, serve_timings  # noqa: E402
 
 WORLD = 4
 D, HIDDEN = 512, 2048

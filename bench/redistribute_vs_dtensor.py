@@ -48,9 +48,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, barrier_timed, dtorch_cluster,  # noqa: E402
-                     dtorch_rank_settings, fmt_bytes, fmt_s, main, matrix_shape, median,
-                     redistribute_turns, serve_timings, time_redistribute)
+from _common import (Row, barrier_timed, dtorch_cluster, dtorch_rank_settings, fmt_bytes,
+                     fmt_s, main, matrix_shape, median, redistribute_turns, time_redistribute)  # noqa: E402
+from _reference import ReferenceRanks, serve_timings  # noqa: E402
 
 WORLD = int(os.environ.get("BENCH_WORLD", 4))
 KB, MB = 1 << 10, 1 << 20

@@ -10,7 +10,7 @@ the same torch.manual_seed weights on both sides), tensor parallel on 4 CPU rank
   mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})`` (its output is all-reduced to
   Replicate, a plain tensor), spawned after the dtorch cluster with its rank processes'
   allocator, huge-page and thread settings, which they must report back the same
-  (``_common.ReferenceRanks``).
+  (``_reference.ReferenceRanks``).
 
 Each forward runs once (one all_reduce) and takes the previous output as input
 (``y = mlp(y)``, ``CHAIN`` times), so both sides run them one after another and nothing is
@@ -43,8 +43,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, barrier_timed, dtorch_cluster,  # noqa: E402
-                     dtorch_rank_settings, main, serve_timings, take_turns)
+from _common import (Row, barrier_timed, dtorch_cluster, dtorch_rank_settings, main,
+                     take_turns)  # noqa: E402
+from _reference import ReferenceRanks, serve_timings  # noqa: E402
 
 WORLD = 4
 D, HIDDEN = 512, 2048

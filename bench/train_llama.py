@@ -29,8 +29,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, dtorch_cluster, dtorch_rank_settings,  # noqa: E402
-                     dtorch_steps_turn, main, serve_steps, take_turns)
+from _common import (Row, dtorch_cluster, dtorch_rank_settings, dtorch_steps_turn, main,
+                     take_turns)  # noqa: E402
+from _reference import ReferenceRanks, serve_steps  # noqa: E402
 from llama_vs_dtensor import CONFIG, hf_model, lean_model, tp_plan  # noqa: E402
 
 WORLD, DP = 4, 2

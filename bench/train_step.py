@@ -32,8 +32,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (ReferenceRanks, Row, dtorch_cluster, dtorch_rank_settings,  # noqa: E402
-                     dtorch_steps_turn, main, serve_steps, take_turns)
+from _common import (Row, dtorch_cluster, dtorch_rank_settings, dtorch_steps_turn, main,
+                     take_turns)  # noqa: E402
+from _reference import ReferenceRanks, serve_steps  # noqa: E402
 
 WORLD = 4
 ROWS_PER_RANK = 64
